@@ -1,0 +1,28 @@
+"""blockspec: lossless speculative decoding with DFlash block-diffusion drafters."""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Imported on first use, so that `blockspec.hub` and the CLI's fast paths do not pay for torch.
+_EXPORTS = {
+    "GenerationConfig": "blockspec.decoding.generate",
+    "GenerationStats": "blockspec.decoding.generate",
+    "speculative_generate": "blockspec.decoding.generate",
+    "GenerationResult": "blockspec.decoding.text",
+    "generate_text": "blockspec.decoding.text",
+    "stream_text": "blockspec.decoding.text",
+    "BlockspecError": "blockspec.errors",
+    "load_drafter": "blockspec.models",
+    "Target": "blockspec.models.target",
+    "load_target": "blockspec.models.target",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'blockspec' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

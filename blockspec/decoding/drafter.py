@@ -1,0 +1,51 @@
+"""The protocol every drafter implements, so that one loop and one verifier serve all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from blockspec.decoding.sampling import SamplingConfig
+
+
+@dataclass
+class Proposal:
+    """Draft tokens [n] and, for drafters that sample, the distribution q [n, V] behind each."""
+
+    tokens: torch.LongTensor
+    probs: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, device) -> "Proposal":
+        return cls(torch.zeros(0, dtype=torch.long, device=device))
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A source of draft tokens for the target to verify.
+
+    The loop calls ``begin`` once after the prefill, then alternately ``propose`` (draft
+    tokens that would follow ``last_token``) and ``commit`` (the tokens the target accepted,
+    which now sit in the target's KV cache, with the target's features at those positions).
+    """
+
+    name: str
+    #: Target layers whose outputs the drafter reads (``hidden_states[i + 1]``); None for none.
+    feature_layers: list[int] | None
+    #: The most draft tokens one proposal may hold (the trained block size - 1); None for no limit.
+    max_draft_tokens: int | None
+    #: The verify width used when the user does not choose one.
+    default_block_size: int
+
+    def begin(self, prompt_ids: torch.LongTensor, features: torch.Tensor | None) -> None:
+        """Start a sequence: prompt_ids [1, P], features [1, P, F] of the prompt positions."""
+
+    def propose(
+        self, last_token: int, num_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        """Draft ``num_tokens`` tokens that follow ``last_token`` (not yet seen by the target)."""
+
+    def commit(self, tokens: torch.LongTensor, features: torch.Tensor | None) -> None:
+        """Tokens [1, m] the target has now processed and kept, with their features [1, m, F]."""

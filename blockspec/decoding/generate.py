@@ -1,0 +1,226 @@
+"""The speculative decoding loop: a stream of token steps, with its statistics at the end.
+
+prefill (with hidden states) -> [draft -> verify the block in one target forward ->
+accept -> crop the target cache -> hand the accepted positions' features to the drafter]*.
+Without a drafter the same loop decodes one token per forward (plain autoregressive).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from blockspec.decoding.drafter import Drafter, Proposal
+from blockspec.decoding.sampling import SamplingConfig, pick_tokens
+from blockspec.decoding.verifier import verify
+from blockspec.errors import BlockspecError
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    #: Verify width (last token + block_size - 1 drafts); None: the drafter's default.
+    block_size: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise BlockspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.block_size is not None and self.block_size < 1:
+            raise BlockspecError(f"block_size must be >= 1, got {self.block_size}")
+        self.sampling  # validates the sampling values
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+@dataclass
+class Step:
+    """Tokens one loop step produced (the first step is the prefill's token)."""
+
+    tokens: list[int]
+    num_drafted: int
+    num_accepted: int
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int = 0
+    #: Tokens each decode step produced (accepted drafts + 1, cut at a stop or the token limit).
+    acceptance_lengths: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward in the decode phase (the bonus token included)."""
+        steps = self.acceptance_lengths
+        return sum(steps) / len(steps) if steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def target_forwards(self) -> int:
+        return 1 + len(self.acceptance_lengths)
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft k accepted | k drafted), k = 1..max drafted."""
+        rates = []
+        for k in range(1, max(self.drafted, default=0) + 1):
+            tried = [a for a, d in zip(self.accepted, self.drafted) if d >= k]
+            rates.append(sum(a >= k for a in tried) / len(tried))
+        return rates
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(tau=self.tau, tokens_per_s=self.tokens_per_s, target_forwards=self.target_forwards,
+                    acceptance_by_position=self.acceptance_by_position())
+        return data
+
+
+class TokenStream:
+    """Iterate for ``Step``s as they are decoded; ``stats`` and ``token_ids`` fill in as it runs."""
+
+    def __init__(self, target_model, input_ids: torch.LongTensor, drafter: Drafter | None, config: GenerationConfig):
+        self.model = target_model
+        self.input_ids = _as_batch_of_one(input_ids, target_model.device)
+        self.drafter = drafter
+        self.config = config
+        self.block_size = resolve_block_size(drafter, config.block_size)
+        self.max_new_tokens = _fit_to_context(target_model, self.input_ids.shape[1], config.max_new_tokens)
+        self.stats = GenerationStats(prompt_tokens=self.input_ids.shape[1])
+        self.token_ids: list[int] = []
+
+    def __iter__(self):
+        with torch.inference_mode():
+            yield from self._run()
+
+    def _run(self):
+        sampling = self.config.sampling
+        generator = sampling.make_generator(self.model.device) if not sampling.greedy else None
+        stop_ids = set(self.config.stop_token_ids)
+        wants_features = self.drafter is not None and self.drafter.feature_layers is not None
+        cache = DynamicCache(config=self.model.config)
+        start_time = _now(self.model.device)
+
+        out = self.model(input_ids=self.input_ids, cache=cache, use_cache=True,
+                         logits_to_keep=1, output_hidden_states=wants_features)
+        token = int(pick_tokens(out.logits[0, -1], sampling, generator))
+        if self.drafter is not None:
+            self.drafter.begin(self.input_ids, self._features(out) if wants_features else None)
+        self.stats.time_to_first_token = _now(self.model.device) - start_time
+        yield self._record(Step([token], 0, 0), stop_ids, start_time)
+
+        position = self.input_ids.shape[1]  # where `token` goes; the cache holds everything before it
+        while not self.stats.finish_reason:
+            remaining = self.max_new_tokens - len(self.token_ids)
+            proposal = self._propose(token, min(self.block_size - 1, remaining - 1), sampling, generator)
+            block = torch.cat([torch.tensor([token], device=self.model.device), proposal.tokens]).unsqueeze(0)
+            out = self.model(input_ids=block, position_ids=_positions(position, block.shape[1], block.device),
+                             cache=cache, use_cache=True, output_hidden_states=wants_features)
+            verdict = verify(proposal.tokens, out.logits[0], sampling, proposal.probs, generator)
+            kept = verdict.num_accepted + 1  # the last token and the accepted drafts enter the cache
+            cache.crop(kept - block.shape[1])
+            if self.drafter is not None:
+                features = self._features(out)[:, :kept] if wants_features else None
+                self.drafter.commit(block[:, :kept], features)
+            position += kept
+            token = verdict.next_token
+            new_tokens = proposal.tokens[: verdict.num_accepted].tolist() + [token]
+            step = Step(new_tokens, len(proposal.tokens), verdict.num_accepted)
+            yield self._record(step, stop_ids, start_time, decode=True)
+
+    def _propose(self, token, num_tokens, sampling, generator) -> Proposal:
+        if self.drafter is None or num_tokens <= 0:
+            return Proposal.empty(self.model.device)
+        return self.drafter.propose(token, num_tokens, sampling, generator)
+
+    def _features(self, out) -> torch.Tensor:
+        return torch.cat([out.hidden_states[i + 1] for i in self.drafter.feature_layers], dim=-1)
+
+    def _record(self, step: Step, stop_ids: set[int], start_time: float, decode: bool = False) -> Step:
+        """Cut the step at a stop token or the token limit, and account for it."""
+        room = self.max_new_tokens - len(self.token_ids)
+        tokens = step.tokens[:room]
+        stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+        if stop_at is not None:
+            tokens = tokens[: stop_at + 1]
+            self.stats.finish_reason = "stop"
+        elif len(self.token_ids) + len(tokens) >= self.max_new_tokens:
+            self.stats.finish_reason = "length" if self.max_new_tokens == self.config.max_new_tokens else "context"
+        step.tokens = tokens
+        self.token_ids.extend(tokens)
+        stats = self.stats
+        stats.new_tokens = len(self.token_ids)
+        if decode:
+            stats.acceptance_lengths.append(len(tokens))
+            stats.drafted.append(step.num_drafted)
+            stats.accepted.append(step.num_accepted)
+        stats.total_time = _now(self.model.device) - start_time
+        return step
+
+
+def speculative_generate(target_model, input_ids, drafter: Drafter | None = None,
+                         config: GenerationConfig | None = None) -> TokenStream:
+    """A lazy stream of decoding steps; without a drafter, plain autoregressive decoding."""
+    return TokenStream(target_model, input_ids, drafter, config or GenerationConfig())
+
+
+def resolve_block_size(drafter: Drafter | None, requested: int | None) -> int:
+    if drafter is None:
+        if requested not in (None, 1):
+            raise BlockspecError(f"block_size {requested} needs a drafter: without one, decoding is one token per step")
+        return 1
+    size = drafter.default_block_size if requested is None else requested
+    if drafter.max_draft_tokens is not None and size - 1 > drafter.max_draft_tokens:
+        raise BlockspecError(
+            f"block_size {size} is above the {drafter.name} drafter's trained block size "
+            f"{drafter.max_draft_tokens + 1}: choose {drafter.max_draft_tokens + 1} or less"
+        )
+    return size
+
+
+def _fit_to_context(model, prompt_length: int, max_new_tokens: int) -> int:
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is None:
+        return max_new_tokens
+    if prompt_length >= context:
+        raise BlockspecError(
+            f"the prompt has {prompt_length} tokens but the model's context is {context}: shorten the prompt"
+        )
+    return min(max_new_tokens, context - prompt_length)
+
+
+def _as_batch_of_one(input_ids, device) -> torch.LongTensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise BlockspecError(f"input_ids must be one sequence ([T] or [1, T]), got shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise BlockspecError("the prompt is empty: give at least one token")
+    return ids
+
+
+def _positions(start: int, length: int, device) -> torch.LongTensor:
+    return torch.arange(start, start + length, device=device).unsqueeze(0)
+
+
+def _now(device) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -1,0 +1,72 @@
+"""Sampling settings and the one place that turns logits into a sampling distribution.
+
+The target's and the drafter's logits go through the same function, so temperature,
+top-k and top-p act identically on both sides of the verifier.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.errors import BlockspecError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BlockspecError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BlockspecError(f"top_p must be in (0, 1] (1 switches it off), got {self.top_p}")
+        if self.top_k < 0:
+            raise BlockspecError(f"top_k must be >= 0 (0 switches it off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def sampling_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Probabilities [..., V] after temperature, top-k and top-p (float32)."""
+    scores = logits.float() / sampling.temperature
+    vocab = scores.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth_best = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [..., V]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def pick_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator=None) -> torch.Tensor:
+    """Argmax when greedy, else a sample from the processed distribution."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    return sample_from(sampling_probs(logits, sampling), generator)

@@ -1,0 +1,87 @@
+"""Checks and helpers shared by every drafter checkpoint (HF ``save_pretrained`` layout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from blockspec.errors import CheckpointError
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def read_config(directory: str | Path) -> dict:
+    """config.json of a checkpoint directory, with a clear error when it is absent or broken."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"draft checkpoint {directory} does not exist or is not a directory")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json: is it a checkpoint saved with save_pretrained?")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}); re-save the checkpoint") from error
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    return config
+
+
+def require_weights(directory: str | Path) -> None:
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        raise CheckpointError(
+            f"{directory} holds no weights: expected one of {', '.join(WEIGHT_FILES)}"
+        )
+
+
+def require_keys(config: dict, keys: list[str], path: str | Path) -> None:
+    missing = [key for key in keys if config.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{Path(path) / 'config.json'} lacks {', '.join(missing)}")
+
+
+def load_pretrained_strict(model_class, directory: str | Path, **kwargs):
+    """``from_pretrained`` that refuses missing weights instead of initialising them randomly."""
+    try:
+        model, info = model_class.from_pretrained(str(directory), output_loading_info=True, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:
+        raise CheckpointError(f"could not read the weights in {directory}: {error}") from error
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise CheckpointError(
+            f"{directory} is missing {len(missing)} weight(s), e.g. {', '.join(missing[:4])}; "
+            "the checkpoint is incomplete or was saved for another architecture"
+        )
+    if info.get("mismatched_keys"):
+        raise CheckpointError(f"{directory} has weights of the wrong shape: {info['mismatched_keys'][:4]}")
+    if info.get("unexpected_keys"):
+        warnings.warn(f"{directory}: ignoring unknown weights {sorted(info['unexpected_keys'])[:4]}")
+    return model
+
+
+def save_atomically(save_fn, directory: str | Path) -> Path:
+    """Run ``save_fn(tmp_dir)`` then move tmp_dir into place, so a crash never leaves half a checkpoint."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        save_fn(staging)
+        if directory.exists():
+            retired = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(retired, ignore_errors=True)
+            os.replace(directory, retired)
+            os.replace(staging, directory)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory

@@ -1,0 +1,118 @@
+"""Loading the target model (any Hugging Face causal LM) and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from blockspec.errors import BlockspecError
+
+TESTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class Target:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids from the generation config and the tokenizer."""
+        ids: set[int] = set()
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def encode_prompt(self, prompt, use_chat_template: bool = True) -> list[int]:
+        """Token ids of a prompt: a string, a list of chat messages, or ids already."""
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = self._apply_chat_template(list(prompt))
+        elif not isinstance(prompt, str):
+            raise BlockspecError(f"a prompt must be a string, chat messages or token ids, not {type(prompt).__name__}")
+        elif use_chat_template and self.tokenizer.chat_template:
+            ids = self._apply_chat_template([{"role": "user", "content": prompt}])
+        else:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+            raise BlockspecError("the prompt is empty: give some text to continue")
+        return ids
+
+    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise BlockspecError(f"{self.name} has no chat template: pass plain text instead of chat messages")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 is not faster there), bf16 on CUDA."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_path(name_or_path: str) -> str:
+    """A local directory as is, a known model name prepared offline, else a hub name."""
+    from blockspec import hub
+
+    return hub.resolve_model(name_or_path)
+
+
+def load_target(name_or_path: str, device: str | None = None, dtype: str | torch.dtype | None = None) -> Target:
+    """Load a causal LM and its tokenizer from a local directory (or a hub name when online)."""
+    path = resolve_path(str(name_or_path))
+    _check_model_dir(path)
+    dev = torch.device(device) if device else default_device()
+    torch_dtype = parse_dtype(dtype) if dtype else default_dtype(dev)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError) as error:
+        raise BlockspecError(f"could not load the target model from {path}: {error}") from error
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=str(name_or_path))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise BlockspecError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def _check_model_dir(path: str) -> None:
+    directory = Path(path)
+    if not directory.exists():
+        return  # a hub name; transformers reports what is wrong with it
+    config = directory / "config.json"
+    if not config.is_file():
+        raise BlockspecError(f"{directory} is not a model directory: config.json is missing")
+    try:
+        json.loads(config.read_text())
+    except json.JSONDecodeError as error:
+        raise BlockspecError(f"{config} is not valid JSON ({error}): re-save the model") from error

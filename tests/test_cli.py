@@ -1,0 +1,61 @@
+"""The command line, as a user types it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from blockspec.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_with_a_draft(tiny_target_dir, tiny_draft_dir, capsys):
+    code = main(["generate", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir),
+                 "--max-new-tokens", "20", "--block-size", "4", "--json", "What is 12 times 7?"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {"token_ids", "text", "acceptance_lengths", "tau", "tokens_per_s"}
+    assert 1 <= len(result["token_ids"]) <= 20
+    assert all(1 <= n <= 4 for n in result["acceptance_lengths"])
+
+
+def test_greedy_output_is_the_same_with_and_without_a_draft(tiny_target_dir, tiny_draft_dir, capsys):
+    outputs = []
+    for extra in ([], ["--draft", str(tiny_draft_dir)], ["--draft", str(tiny_draft_dir), "--method", "ar"]):
+        assert main(["generate", "--target", str(tiny_target_dir), *extra, "--max-new-tokens", "30",
+                     "--json", "Write a function"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_streaming_text_and_stats(tiny_target_dir, tiny_draft_dir, capsys):
+    assert main(["generate", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir),
+                 "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20",
+                 "--seed", "3", "--no-chat-template", "The quick brown"]) == 0
+    captured = capsys.readouterr()
+    assert "tau" in captured.err and "tokens/s" in captured.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "2"], "top_p must be in"),
+    (["--block-size", "0"], "block_size must be >= 1"),
+    (["--block-size", "12", "--draft", "DRAFT"], "above the dflash drafter's trained block size 8"),
+    (["--draft", "/nonexistent/draft"], "does not exist"),
+    (["--method", "dflash"], "--method dflash needs --draft"),
+])
+def test_bad_input_is_one_clear_line_and_exit_code_2(tiny_target_dir, tiny_draft_dir, args, message, capsys):
+    args = [str(tiny_draft_dir) if a == "DRAFT" else a for a in args]
+    assert main(["generate", "--target", str(tiny_target_dir), *args, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and message in err
+
+
+def test_a_real_process_prints_no_traceback(tiny_target_dir):
+    result = run_cli("generate", "--target", str(tiny_target_dir), "--no-chat-template", "   ")
+    assert result.returncode == 2
+    assert "prompt is empty" in result.stderr and "Traceback" not in result.stderr
