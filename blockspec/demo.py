@@ -1,0 +1,285 @@
+"""`blockspec demo`: DFlash against plain autoregressive decoding on a few bundled prompts.
+
+For each prompt the target decodes greedily twice through the same loop, once alone (AR)
+and once verifying the DFlash drafter's blocks; the DFlash text streams to the terminal,
+the two token sequences are compared (they must be identical) and the timings give the
+speedup. A table sums the prompts up at the end.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+
+from blockspec.errors import BlockspecError
+
+#: The drafter shipped in the package, under ``blockspec/assets/``.
+SHIPPED_DRAFT = "dflash-smollm2-135m"
+#: Bundled sets the demo draws from by default; prompts are dealt round-robin over them,
+#: so the default four are 2 gsm8k, 1 humaneval and 1 mt_bench.
+DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt_bench")
+DEFAULT_NUM_PROMPTS = 4
+DEFAULT_MAX_NEW_TOKENS = 128
+_WARMUP_TOKENS = 4
+
+
+def default_draft_path() -> Path:
+    """The directory of the DFlash drafter shipped with the package (for the default target)."""
+    directory = resources.files("blockspec") / "assets" / SHIPPED_DRAFT
+    if not directory.is_dir():
+        raise BlockspecError(
+            f"the shipped DFlash drafter is missing: expected the directory {directory} inside the "
+            "installed package; reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
+        )
+    if not directory.joinpath("config.json").is_file():
+        raise BlockspecError(
+            f"the shipped DFlash drafter at {directory} is incomplete (no config.json); "
+            "reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
+        )
+    path = Path(str(directory))
+    if not path.is_dir():  # a package imported from a zip archive
+        raise BlockspecError("the shipped DFlash drafter cannot be read from a zipped package: install blockspec "
+                             "as ordinary files, or pass --draft DIR")
+    return path
+
+
+def demo_prompts(datasets=None, num_prompts: int = DEFAULT_NUM_PROMPTS) -> list[dict]:
+    """``num_prompts`` bundled rows dealt round-robin over ``datasets``, grouped by dataset."""
+    from blockspec.bench.datasets import bundled_name, load_bundled
+
+    if num_prompts < 1:
+        raise BlockspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    names = list(dict.fromkeys(bundled_name(d) for d in (datasets or DEFAULT_DATASETS)))
+    counts = {name: len(range(i, num_prompts, len(names))) for i, name in enumerate(names)}
+    prompts = []
+    for name, count in counts.items():
+        rows = load_bundled(name, limit=count)
+        if len(rows) < count:
+            raise BlockspecError(f"the bundled set {name} has only {len(rows)} prompts, {count} were asked for")
+        prompts.extend(rows)
+    return prompts
+
+
+def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+             block_size: int | None = None, console=None) -> list[dict]:
+    """Decode each prompt with AR and with DFlash (greedy), stream the DFlash text; figures per prompt.
+
+    ``prompts`` are bundled rows (dicts with ``turns``; the first turn is used) or strings.
+    """
+    from rich.console import Console
+
+    from blockspec.decoding.generate import GenerationConfig, resolve_block_size
+
+    console = console or Console()
+    rows = [_as_row(prompt, i) for i, prompt in enumerate(prompts)]
+    if not rows:
+        raise BlockspecError("the demo needs at least one prompt")
+    ar_config = GenerationConfig(max_new_tokens=max_new_tokens)
+    dflash_config = replace(ar_config, block_size=block_size)
+    width = resolve_block_size(drafter, block_size)  # checks the block size before any decoding
+
+    model = target.model
+    console.print(f"[bold]blockspec demo[/]: target [cyan]{_plain(target.name)}[/] on {model.device} "
+                  f"({str(model.dtype).removeprefix('torch.')})\n"
+                  f"drafter [cyan]{drafter.name}[/], block size {width}, greedy, up to {max_new_tokens} new tokens")
+    _warm_up(target, drafter, _chat_prompt(target, rows[0]), dflash_config)
+
+    figures = []
+    for index, row in enumerate(rows, start=1):
+        _print_header(console, index, len(rows), row)
+        prompt = _chat_prompt(target, row)
+        ar = _decode(target, prompt, None, ar_config)
+        dflash = _decode(target, prompt, drafter, dflash_config, console=console)
+        console.print()
+        figure = _figures(row, ar, dflash, width)
+        figures.append(figure)
+        _print_figures(console, figure)
+    _print_summary(console, figures)
+    return figures
+
+
+def _as_row(prompt, index: int) -> dict:
+    if isinstance(prompt, str):
+        return {"id": f"prompt/{index}", "dataset": "custom", "turns": [prompt]}
+    if isinstance(prompt, dict) and prompt.get("turns"):
+        return prompt
+    raise BlockspecError(f"demo prompt {index} must be a string or a row with 'turns', not {type(prompt).__name__}")
+
+
+def _chat_prompt(target, row: dict):
+    """The first user turn: a one-message chat when the tokenizer has a template, else the text."""
+    text = row["turns"][0]
+    if target.tokenizer.chat_template:
+        return [{"role": "user", "content": text}]
+    return text
+
+
+def _warm_up(target, drafter, prompt, config) -> None:
+    """A few tokens both ways, so that first-call overhead does not land on the first prompt."""
+    from blockspec.decoding.text import generate_text
+
+    warm = replace(config, max_new_tokens=_WARMUP_TOKENS)
+    generate_text(target, prompt, None, replace(warm, block_size=None))
+    generate_text(target, prompt, drafter, warm)
+
+
+def _decode(target, prompt, drafter, config, console=None) -> dict:
+    """One greedy decode; the wall time excludes the time spent printing the stream."""
+    from blockspec.decoding.text import stream_text
+
+    printing = 0.0
+    start = time.perf_counter()
+    stream = stream_text(target, prompt, drafter, config)
+    for chunk in stream:
+        if console is not None and chunk.text:
+            before = time.perf_counter()
+            console.print(chunk.text, end="", markup=False, highlight=False, emoji=False, soft_wrap=True)
+            printing += time.perf_counter() - before
+    elapsed = time.perf_counter() - start - printing
+    result = stream.result
+    return {"token_ids": result.token_ids, "text": result.text, "stats": result.stats, "time": elapsed,
+            "prompt_tokens": len(result.prompt_ids)}
+
+
+def _figures(row: dict, ar: dict, dflash: dict, block_size: int) -> dict:
+    ar_ids, dflash_ids = ar["token_ids"], dflash["token_ids"]
+    mismatch = next((i for i, (a, b) in enumerate(zip(ar_ids, dflash_ids)) if a != b), None)
+    if mismatch is None and len(ar_ids) != len(dflash_ids):
+        mismatch = min(len(ar_ids), len(dflash_ids))
+    stats = dflash["stats"]
+    return {
+        "id": row.get("id"),
+        "dataset": row.get("dataset"),
+        "prompt": row["turns"][0],
+        "prompt_tokens": dflash["prompt_tokens"],
+        "block_size": block_size,
+        "new_tokens": len(dflash_ids),
+        "ar_new_tokens": len(ar_ids),
+        "tau": stats.tau,
+        "acceptance_lengths": list(stats.acceptance_lengths),
+        "ar_time": ar["time"],
+        "dflash_time": dflash["time"],
+        "ar_tokens_per_s": len(ar_ids) / ar["time"] if ar["time"] > 0 else 0.0,
+        "dflash_tokens_per_s": len(dflash_ids) / dflash["time"] if dflash["time"] > 0 else 0.0,
+        "speedup": ar["time"] / dflash["time"] if dflash["time"] > 0 else 0.0,
+        "ar_ttft": ar["stats"].time_to_first_token,
+        "dflash_ttft": stats.time_to_first_token,
+        "match": mismatch is None,
+        "first_mismatch": mismatch,
+        "text": dflash["text"],
+        "ar_token_ids": list(ar_ids),
+        "dflash_token_ids": list(dflash_ids),
+    }
+
+
+def shorten(text: str, width: int = 90) -> str:
+    """One line of at most ``width`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1].rstrip() + "…"
+
+
+def _plain(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def _print_header(console, index: int, total: int, row: dict) -> None:
+    from rich.text import Text
+
+    console.print()
+    console.rule(Text.assemble((f" {index}/{total} ", "bold"), (str(row.get("dataset", "")), "bold magenta"),
+                               (f"  {row.get('id', '')} ", "dim")), align="left")
+    console.print(Text(shorten(row["turns"][0], max(20, console.width - 2)), style="dim italic"))
+    console.print()
+
+
+def _print_figures(console, figure: dict) -> None:
+    if not figure["match"]:
+        console.print(f"[bold red]WARNING: the DFlash tokens differ from the AR tokens from token "
+                      f"{figure['first_mismatch']} on ({figure['new_tokens']} DFlash tokens, "
+                      f"{figure['ar_new_tokens']} AR tokens): decoding was not lossless[/]")
+    console.print(
+        f"[bold]tau[/] {figure['tau']:.2f}  "
+        f"[bold]tok/s[/] DFlash {figure['dflash_tokens_per_s']:.1f}, AR {figure['ar_tokens_per_s']:.1f}  "
+        f"[bold green]speedup {figure['speedup']:.2f}x[/]  "
+        f"[bold]TTFT[/] {figure['dflash_ttft'] * 1000:.0f} ms (AR {figure['ar_ttft'] * 1000:.0f} ms)"
+        + ("" if figure["match"] else "  [bold red]MISMATCH[/]")
+    )
+
+
+def _print_summary(console, figures: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="DFlash vs autoregressive, greedy", title_style="bold")
+    for name in ("prompt", "tokens", "tau", "AR\ntok/s", "DFlash\ntok/s", "speedup", "first token\nms AR/DF", "same"):
+        table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=name != "prompt")
+    for f in figures:
+        table.add_row(_plain(f["id"]), str(f["new_tokens"]), f"{f['tau']:.2f}",
+                      f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}", f"{f['speedup']:.2f}x",
+                      f"{f['ar_ttft'] * 1000:.0f}/{f['dflash_ttft'] * 1000:.0f}",
+                      "[green]yes[/]" if f["match"] else "[bold red]NO[/]")
+    console.print()
+    console.print(table)
+    speedups = [f["speedup"] for f in figures]
+    taus = [f["tau"] for f in figures]
+    console.print(f"speedup: mean [bold green]{statistics.mean(speedups):.2f}x[/], "
+                  f"median {statistics.median(speedups):.2f}x   "
+                  f"tau: mean [bold]{statistics.mean(taus):.2f}[/], median {statistics.median(taus):.2f}")
+    mismatches = sum(not f["match"] for f in figures)
+    if mismatches:
+        console.print(f"[bold red]WARNING: {mismatches} of {len(figures)} prompts gave DFlash tokens that differ "
+                      f"from the AR tokens[/]")
+    else:
+        console.print(f"[green]DFlash output was token-for-token the AR output on all {len(figures)} prompts[/]")
+
+
+# ---------------------------------------------------------------------------------------
+# The command
+
+
+def add_demo_command(commands) -> None:
+    """Add ``demo`` to an argparse subparsers object."""
+    from blockspec.bench.datasets import BUNDLED
+    from blockspec.hub import DEFAULT_TARGET
+
+    parser = commands.add_parser("demo", help="DFlash vs autoregressive decoding on a few bundled prompts")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"target model: a local directory, a known name, or a hub name (default: {DEFAULT_TARGET})")
+    parser.add_argument("--draft", default=None,
+                        help=f"DFlash drafter directory (default: the shipped {SHIPPED_DRAFT}, made for the default target)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help=f"tokens per prompt (default: {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="verify width: the last token + block_size-1 drafts (default: the drafter's trained size)")
+    parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
+                        help=f"number of prompts, dealt round-robin over the data sets (default: {DEFAULT_NUM_PROMPTS})")
+    parser.add_argument("--dataset", action="append", default=None, metavar="NAME",
+                        help=f"bundled prompt set, repeatable: {', '.join(BUNDLED)} "
+                             f"(default: {', '.join(DEFAULT_DATASETS)})")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
+    parser.set_defaults(run=run_demo_command)
+
+
+def run_demo_command(args) -> int:
+    """Load the models the options name and run the demo; 1 if any output differed from AR, else 0."""
+    from rich.console import Console
+    from transformers.utils import logging as hf_logging
+
+    from blockspec.models import load_drafter
+    from blockspec.models.target import load_target
+
+    hf_logging.disable_progress_bar()
+    prompts = demo_prompts(args.dataset, args.num_prompts)  # bad names fail before any loading
+    draft = args.draft if args.draft is not None else default_draft_path()
+    console = Console()
+    console.print(f"loading the target {_plain(args.target)} and the drafter {_plain(draft)} ...", style="dim")
+    target = load_target(args.target, device=getattr(args, "device", None), dtype=getattr(args, "dtype", None))
+    drafter = load_drafter(draft, target)
+    figures = run_demo(target, drafter, prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                       console=console)
+    return 0 if all(f["match"] for f in figures) else 1

@@ -1,0 +1,112 @@
+"""`blockspec demo` on the tiny target and drafter."""
+
+import argparse
+import io
+
+import pytest
+from rich.console import Console
+
+from blockspec import demo
+from blockspec.bench.datasets import load_bundled
+from blockspec.errors import BlockspecError
+from blockspec.models import load_drafter
+from blockspec.models.target import load_target
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_target_dir, tiny_draft_dir):
+    target = load_target(str(tiny_target_dir), device="cpu")
+    return target, load_drafter(tiny_draft_dir, target)
+
+
+def quiet_console():
+    return Console(file=io.StringIO(), width=120)
+
+
+def test_run_demo_gives_figures_per_prompt_with_lossless_tokens(tiny_pair):
+    target, drafter = tiny_pair
+    prompts = load_bundled("gsm8k", limit=1) + load_bundled("humaneval", limit=1) + load_bundled("mt_bench", limit=1)
+    console = quiet_console()
+    figures = demo.run_demo(target, drafter, prompts, max_new_tokens=24, block_size=4, console=console)
+    assert [f["id"] for f in figures] == [p["id"] for p in prompts]
+    for figure in figures:
+        assert figure["match"] and figure["first_mismatch"] is None
+        assert figure["dflash_token_ids"] == figure["ar_token_ids"] and figure["new_tokens"] >= 1
+        assert figure["tau"] >= 1
+        assert figure["speedup"] > 0 and figure["ar_tokens_per_s"] > 0 and figure["dflash_tokens_per_s"] > 0
+        assert figure["dflash_ttft"] > 0 and figure["block_size"] == 4
+    out = console.file.getvalue()
+    assert "gsm8k" in out and "mt_bench" in out and "speedup" in out and "median" in out
+    assert "WARNING" not in out
+
+
+def test_run_demo_reports_a_mismatch(tiny_pair, monkeypatch):
+    target, drafter = tiny_pair
+    real_decode = demo._decode
+
+    def corrupted(target, prompt, drafter, config, console=None):
+        result = real_decode(target, prompt, drafter, config, console)
+        if drafter is not None:
+            result["token_ids"] = result["token_ids"][:-1] + [result["token_ids"][-1] + 1]
+        return result
+
+    monkeypatch.setattr(demo, "_decode", corrupted)
+    console = quiet_console()
+    figures = demo.run_demo(target, drafter, ["Hello"], max_new_tokens=6, console=console)
+    assert not figures[0]["match"] and figures[0]["first_mismatch"] == figures[0]["new_tokens"] - 1
+    assert "WARNING" in console.file.getvalue()
+
+
+def demo_parser():
+    parser = argparse.ArgumentParser(prog="blockspec")
+    demo.add_demo_command(parser.add_subparsers())
+    return parser
+
+
+def test_demo_command_returns_0_on_the_tiny_pair(tiny_target_dir, tiny_draft_dir, capsys):
+    args = demo_parser().parse_args(["demo", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir),
+                                     "--max-new-tokens", "8", "--num-prompts", "2",
+                                     "--dataset", "gsm8k", "--dataset", "mbpp"])
+    assert args.run is demo.run_demo_command
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "gsm8k" in out and "mbpp" in out and "speedup" in out
+
+
+def test_demo_command_defaults():
+    args = demo_parser().parse_args(["demo"])
+    from blockspec.hub import DEFAULT_TARGET
+
+    assert args.target == DEFAULT_TARGET and args.draft is None
+    assert args.max_new_tokens == 128 and args.block_size is None
+    assert [row["dataset"] for row in demo.demo_prompts(args.dataset, args.num_prompts)] == [
+        "gsm8k", "gsm8k", "humaneval", "mt_bench"]
+
+
+def test_demo_prompts_deal_round_robin():
+    rows = demo.demo_prompts(["mbpp", "math500"], 3)
+    assert [row["id"] for row in rows] == ["mbpp/11", "mbpp/12", "math500/0"]
+    with pytest.raises(BlockspecError, match="unknown bundled prompt set"):
+        demo.demo_prompts(["nope"], 2)
+    with pytest.raises(BlockspecError, match="--num-prompts must be >= 1"):
+        demo.demo_prompts(None, 0)
+
+
+def test_a_missing_shipped_drafter_is_a_clear_error(monkeypatch, tiny_target_dir):
+    monkeypatch.setattr(demo, "SHIPPED_DRAFT", "no-such-drafter")
+    with pytest.raises(BlockspecError, match="shipped DFlash drafter is missing.*--draft DIR"):
+        demo.default_draft_path()
+    args = demo_parser().parse_args(["demo", "--target", str(tiny_target_dir)])
+    with pytest.raises(BlockspecError, match="shipped DFlash drafter is missing"):
+        args.run(args)
+
+
+def test_the_shipped_drafter_path_is_inside_the_package(monkeypatch, tmp_path):
+    package = tmp_path / "blockspec"
+    (package / "assets" / "drafter").mkdir(parents=True)
+    monkeypatch.setattr(demo.resources, "files", lambda name: package if name == "blockspec" else None)
+    monkeypatch.setattr(demo, "SHIPPED_DRAFT", "drafter")
+    with pytest.raises(BlockspecError, match="incomplete"):
+        demo.default_draft_path()
+    (package / "assets" / "drafter" / "config.json").write_text("{}")
+    assert demo.default_draft_path() == package / "assets" / "drafter"

@@ -1,0 +1,209 @@
+"""The DFlash trainer: anchors and masks, learning, exact resume, safe checkpoints, DDP."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import CORPUS, make_tokenizer, make_causal_lm
+
+from blockspec.models.dflash import load_dflash_model
+from blockspec.training import trainer as trainer_module
+from blockspec.training.anchors import build_blocks, loss_weights
+from blockspec.training.data import TrainingSample
+from blockspec.training.pipeline import DataConfig, prepare_samples
+from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pick_mask_token
+
+
+# --- anchors, labels, weights and the block-sparse mask ------------------------------------
+
+def test_loss_weights_decay_and_skip_the_anchor():
+    w = loss_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and torch.allclose(w[8], torch.exp(torch.tensor(-1.0)))
+    assert torch.equal(loss_weights(4, None), torch.tensor([0.0, 1, 1, 1]))
+
+
+def test_blocks_see_the_context_before_their_anchor_and_their_own_block():
+    ids = torch.arange(100, 130).unsqueeze(0)
+    loss_mask = torch.zeros(1, 30, dtype=torch.bool)
+    loss_mask[0, 10:] = True
+    blocks = build_blocks(ids, loss_mask, torch.tensor([30]), block_size=4, num_anchors=3, mask_token_id=7,
+                          gamma=None, generator=torch.Generator().manual_seed(0))
+    mask = blocks.attention_mask[0, 0]
+    for slot in range(3):
+        span = range(slot * 4, slot * 4 + 4)
+        anchor = int(blocks.block_positions[0, slot * 4])
+        assert anchor >= 9  # the next token (anchor + 1) is a response token
+        assert blocks.block_ids[0, slot * 4] == ids[0, anchor]
+        assert (blocks.block_ids[0, slot * 4 + 1: slot * 4 + 4] == 7).all()
+        for q in span:
+            assert mask[q, :anchor].all() and not mask[q, anchor:30].any()
+            own = torch.zeros(12, dtype=torch.bool)
+            own[slot * 4: slot * 4 + 4] = True
+            assert torch.equal(mask[q, 30:], own)
+        for k in range(1, 4):
+            position = slot * 4 + k
+            assert blocks.labels[0, position] == ids[0, anchor + k]
+            assert blocks.weights[0, position] == (1.0 if anchor + k < 30 else 0.0)
+        assert blocks.weights[0, slot * 4] == 0
+
+
+def test_fixed_blocks_tile_the_response():
+    loss_mask = torch.zeros(1, 40, dtype=torch.bool)
+    loss_mask[0, 8:] = True
+    blocks = build_blocks(torch.arange(40).unsqueeze(0), loss_mask, torch.tensor([40]), block_size=8,
+                          num_anchors=10, mask_token_id=0, gamma=4.0, generator=torch.Generator().manual_seed(0),
+                          random_anchors=False)
+    anchors = blocks.block_positions[0, ::8][blocks.weights[0].view(10, 8).sum(1) > 0].tolist()
+    assert anchors == [7, 15, 23, 31]
+
+
+def test_mask_token_is_a_spare_special_token():
+    tokenizer = make_tokenizer()
+    assert pick_mask_token(tokenizer, len(tokenizer)) == tokenizer.convert_tokens_to_ids("<|mask|>")
+
+
+# --- a tiny target that has learned something, so its outputs are learnable ---------------
+
+@pytest.fixture(scope="module")
+def learned_target(tmp_path_factory):
+    """A tiny Llama trained for a few seconds to continue the corpus sentences."""
+    from blockspec.models.target import Target
+
+    torch.manual_seed(0)
+    tokenizer = make_tokenizer()
+    model = make_causal_lm("llama", vocab_size=len(tokenizer), initializer_range=0.02, num_hidden_layers=2)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": s[:20]}], add_generation_prompt=True,
+                                           return_dict=False) + tokenizer.encode(s) + [tokenizer.eos_token_id]
+             for s in CORPUS[:6]]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(150):
+        for ids in texts:
+            batch = torch.tensor([ids])
+            loss = model(batch, labels=batch).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    directory = tmp_path_factory.mktemp("learned") / "target"
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    prompts = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    rows = [{"prompt": s[:n]} for s in CORPUS[:6] for n in range(6, 26)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return Target(model, tokenizer, "learned"), directory, prompts
+
+
+def small_config(out, **overrides):
+    values = dict(out=str(out), num_layers=1, block_size=8, batch_size=4, lr=3e-3, anchors_per_sequence=6,
+                  max_steps=40, save_every=10, progress=False, eval_max_new_tokens=24)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def training_data(learned_target, tmp_path_factory):
+    target, _, prompts = learned_target
+    out = tmp_path_factory.mktemp("run")
+    data = DataConfig(files=[str(prompts)], max_new_tokens=24, held_out=4)
+    return prepare_samples(target, data, out, max_length=256)
+
+
+def test_training_lowers_the_loss_and_raises_tau(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, eval_prompts = training_data
+    trainer = Trainer(small_config(tmp_path, max_steps=100, anchors_per_sequence=12), target, samples, eval_prompts)
+    untrained = trainer.evaluate()["tau"]
+    state = trainer.run()
+    trained = trainer.evaluate()["tau"]
+    assert sum(state.losses[-5:]) / 5 < 0.7 * sum(state.losses[:5]) / 5
+    assert trained > untrained + 0.5, (untrained, trained)
+    loaded = load_dflash_model(tmp_path / "draft")
+    assert loaded.block_size == 8 and loaded.mask_token_id == pick_mask_token(target.tokenizer, 320)
+
+
+def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    whole = Trainer(small_config(tmp_path / "whole", max_steps=12, save_every=4), target, samples).run()
+    Trainer(small_config(tmp_path / "cut", max_steps=12, save_every=4), target, samples).run(until_step=6)
+    assert latest_checkpoint(tmp_path / "cut").name == "step-0000006"
+    resumed = Trainer(small_config(tmp_path / "cut", max_steps=12, save_every=4), target, samples, resume=True).run()
+    assert len(resumed.losses) == 12
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-5, abs=1e-6)
+
+
+def test_ctrl_c_saves_a_checkpoint(learned_target, training_data, tmp_path, monkeypatch):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    trainer = Trainer(small_config(tmp_path, save_every=0), target, samples)
+    original = trainer._train_step
+
+    def interrupt_at_three(step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(step)
+
+    monkeypatch.setattr(trainer, "_train_step", interrupt_at_three)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert latest_checkpoint(tmp_path).name == "step-0000003"
+
+
+def test_a_kill_mid_write_leaves_the_last_checkpoint_loadable(learned_target, training_data, tmp_path, monkeypatch):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    trainer = Trainer(small_config(tmp_path, save_every=2), target, samples)
+    trainer.run(until_step=2)
+    real_save = torch.save
+
+    def dies_half_way(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(trainer_module.torch, "save", dies_half_way)
+    with pytest.raises(SystemExit):
+        trainer.run(until_step=4)
+    monkeypatch.setattr(trainer_module.torch, "save", real_save)
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "step-0000002"
+    load_dflash_model(latest)
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert "step-0000004" not in leftovers
+    resumed = Trainer(small_config(tmp_path, save_every=2), target, samples, resume=True)
+    assert resumed.state.step == 2
+
+
+def test_training_samples_exclude_held_out_prompts(training_data):
+    samples, eval_prompts = training_data
+    assert len(eval_prompts) == 4 and len(samples) == 97 - 4  # 120 rows, 23 duplicates
+
+
+@pytest.mark.slow
+def test_ddp_with_two_processes_on_cpu(learned_target, tmp_path):
+    _, target_dir, prompts = learned_target
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+               "-m", "blockspec.cli", "train-draft", "--target", str(target_dir), "--data", str(prompts),
+               "--out", str(tmp_path / "ddp"), "--num-layers", "1", "--block-size", "8", "--max-steps", "6",
+               "--batch-size", "2", "--max-new-tokens", "16", "--anchors-per-sequence", "4", "--save-every", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads((tmp_path / "ddp" / "checkpoints" / "step-0000006" / "trainer_state.json").read_text())
+    assert len(state["losses"]) == 6
+    load_dflash_model(tmp_path / "ddp" / "draft")
+
+
+def test_empty_training_set_is_a_clear_error(learned_target, tmp_path):
+    target, _, _ = learned_target
+    from blockspec.errors import BlockspecError
+
+    with pytest.raises(BlockspecError, match="no training samples"):
+        Trainer(small_config(tmp_path), target, [])
+    assert isinstance(TrainingSample, type)
