@@ -130,7 +130,7 @@ class TokenStream:
             remaining = self.max_new_tokens - len(self.token_ids)
             proposal = self._propose(token, min(self.block_size - 1, remaining - 1), sampling, generator)
             block = torch.cat([torch.tensor([token], device=self.model.device), proposal.tokens]).unsqueeze(0)
-            out = self.model(input_ids=block, position_ids=_positions(position, block.shape[1], block.device),
+            out = self.model(input_ids=block, position_ids=positions(position, block.shape[1], block.device),
                              cache=cache, use_cache=True, output_hidden_states=wants_features)
             verdict = verify(proposal.tokens, out.logits[0], sampling, proposal.probs, generator)
             kept = verdict.num_accepted + 1  # the last token and the accepted drafts enter the cache
@@ -216,7 +216,8 @@ def _as_batch_of_one(input_ids, device) -> torch.LongTensor:
     return ids
 
 
-def _positions(start: int, length: int, device) -> torch.LongTensor:
+def positions(start: int, length: int, device) -> torch.LongTensor:
+    """Position ids [1, length] starting at ``start``."""
     return torch.arange(start, start + length, device=device).unsqueeze(0)
 
 

@@ -27,6 +27,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from blockspec.decoding.drafter import Proposal
+from blockspec.decoding.generate import positions
 from blockspec.decoding.sampling import sample_from, sampling_probs
 from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.models.checkpoint import (
@@ -348,17 +349,13 @@ class DFlashDrafter:
         block_ids[0, 0] = last_token
         hidden = self.model(
             self.embed_tokens(block_ids),
-            _positions(start, num_tokens + 1, self.device),
+            positions(start, num_tokens + 1, self.device),
             self.pending,
-            _positions(context_start, start - context_start, self.device),
+            positions(context_start, start - context_start, self.device),
             self.cache,
         )
         self.pending = None
         return self.lm_head(hidden[0, 1:]).float()
-
-
-def _positions(start: int, length: int, device) -> torch.LongTensor:
-    return torch.arange(start, start + length, device=device).unsqueeze(0)
 
 
 def load_dflash_drafter(directory, target_model, *, sample_drafts: bool = True) -> DFlashDrafter:

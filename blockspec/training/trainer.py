@@ -198,7 +198,9 @@ class Trainer:
             mask_token_id=mask_id, target_layer_ids=config.target_layer_ids,
             intermediate_size=config.intermediate_size)
         torch.manual_seed(config.seed)
-        return DFlashDraftModel(draft_config).to(target_model.device).train()
+        model = DFlashDraftModel(draft_config)
+        _start_final_norm_from_target(model, target_model)
+        return model.to(target_model.device).train()
 
     def _wrap_for_ddp(self):
         if self.world == 1:
@@ -352,6 +354,15 @@ class Trainer:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = TrainState(**saved["state"])
+
+
+def _start_final_norm_from_target(model: DFlashDraftModel, target_model) -> None:
+    """The draft's final hidden states meet the target's LM head: start at the target's output norm."""
+    target_norm = getattr(target_model.base_model, "norm", None)
+    weight = getattr(target_norm, "weight", None)
+    if weight is not None and weight.shape == model.norm.weight.shape:
+        with torch.no_grad():
+            model.norm.weight.copy_(weight.detach().float())
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
