@@ -8,6 +8,7 @@ import sys
 
 from blockspec.demo import add_demo_command
 from blockspec.errors import BlockspecError
+from blockspec.hub import DEFAULT_TARGET
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,11 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    from blockspec.hub import DEFAULT_TARGET
-
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"target model: a local directory, a known name, or a hub name (default: {DEFAULT_TARGET})")
-    parser.add_argument("--draft", default=None, help="drafter checkpoint directory (none: autoregressive decoding)")
+    parser.add_argument("--draft", default=None,
+                        help="drafter checkpoint directory (default: the shipped DFlash drafter for the default "
+                             "target, none for other targets: autoregressive decoding)")
     parser.add_argument("--method", default=None, choices=["dflash", "ar"],
                         help="drafting method (default: read from the draft checkpoint; 'ar' decodes without a drafter)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
@@ -156,6 +157,10 @@ def load_models(args):
     from blockspec.models import detect_method, load_drafter
     from blockspec.models.target import load_target
 
+    if args.draft is None and args.method != "ar" and args.target == DEFAULT_TARGET:
+        from blockspec.demo import default_draft_path
+
+        args.draft = str(default_draft_path())
     if args.method not in (None, "ar") and args.draft is None:
         raise BlockspecError(f"--method {args.method} needs --draft DIR")
     autoregressive = args.method == "ar" or args.draft is None

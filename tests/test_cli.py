@@ -59,3 +59,17 @@ def test_a_real_process_prints_no_traceback(tiny_target_dir):
     result = run_cli("generate", "--target", str(tiny_target_dir), "--no-chat-template", "   ")
     assert result.returncode == 2
     assert "prompt is empty" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_default_target_drafts_with_the_shipped_drafter(monkeypatch):
+    import blockspec.models as models
+    import blockspec.models.target as target_module
+    from blockspec.cli import build_parser, load_models
+    from blockspec.demo import default_draft_path
+
+    monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
+    monkeypatch.setattr(models, "load_drafter", lambda path, target, method=None, **kw: (path, method))
+    args = build_parser().parse_args(["generate", "hello"])
+    assert load_models(args) == ("target:smollm2-135m-instruct", (str(default_draft_path()), "dflash"))
+    args = build_parser().parse_args(["generate", "--method", "ar", "hello"])
+    assert load_models(args) == ("target:smollm2-135m-instruct", None)
