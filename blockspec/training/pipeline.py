@@ -16,7 +16,13 @@ from blockspec.training.data import (
     read_cache,
     responses_from_data,
 )
-from blockspec.training.trainer import TrainConfig, Trainer, _barrier, init_distributed_from_env
+from blockspec.training.trainer import (
+    TrainConfig,
+    Trainer,
+    barrier,
+    init_distributed_from_env,
+    rank_and_world_size,
+)
 
 
 @dataclass
@@ -61,7 +67,7 @@ def prepare_samples(target, data: DataConfig, out: Path, max_length: int, rank: 
             generation = responses_from_data(target.tokenizer, training, cache,
                                              use_chat_template=data.use_chat_template)
         _say(rank, generation.summary())
-    _barrier()
+    barrier()
     wanted = {record.id for record in training}
     samples = [s for s in load_samples(cache, max_length=max_length) if s.id in wanted]
     eval_prompts = [build_prompt_ids(target.tokenizer, r, use_chat_template=data.use_chat_template) for r in held_out]
@@ -73,9 +79,7 @@ def train_draft(target_name: str, data: DataConfig, config: TrainConfig, *, resu
     from blockspec.models.target import load_target
 
     init_distributed_from_env()
-    from blockspec.training.trainer import _distributed_rank_and_size
-
-    rank, _ = _distributed_rank_and_size()
+    rank, _ = rank_and_world_size()
     target = load_target(target_name, device=device, dtype="float32")
     out = Path(config.out)
     samples, eval_prompts = prepare_samples(target, data, out, config.max_length, rank)

@@ -169,7 +169,7 @@ class Trainer:
         self.samples = samples
         self.eval_prompts = eval_prompts or []
         self.out = Path(config.out)
-        self.rank, self.world = _distributed_rank_and_size()
+        self.rank, self.world = rank_and_world_size()
         if not samples:
             raise BlockspecError("no training samples: the data produced no usable prompt/response pairs")
         self.state = TrainState()
@@ -287,9 +287,16 @@ class Trainer:
         indices = []
         for flat in range(start, start + config.batch_size):
             epoch, offset = divmod(flat, count)
-            order = torch.randperm(count, generator=torch.Generator().manual_seed(config.seed + 7919 * epoch))
-            indices.append(int(order[offset]))
+            indices.append(self._epoch_order(epoch)[offset])
         return indices
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """The sample order of one epoch, drawn once from a generator seeded by the epoch."""
+        if getattr(self, "_order_epoch", None) != epoch:
+            generator = torch.Generator().manual_seed(self.config.seed + 7919 * epoch)
+            self._order = torch.randperm(len(self.samples), generator=generator).tolist()
+            self._order_epoch = epoch
+        return self._order
 
     # --- evaluation ---------------------------------------------------------------------
 
@@ -323,7 +330,7 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         """Draft (official layout) + optimizer/scheduler/state, then the `latest` pointer."""
         if self.rank != 0:
-            _barrier()
+            barrier()
             return None
         directory = self.checkpoint_dir(self.state.step)
 
@@ -335,14 +342,14 @@ class Trainer:
 
         save_atomically(write, directory)
         _write_text_atomically(self.out / "checkpoints" / LATEST_FILE, directory.name)
-        _barrier()
+        barrier()
         return directory
 
     def save_final(self) -> None:
         if self.rank == 0:
             save_atomically(lambda tmp: self.model.save_pretrained(tmp, safe_serialization=True), self.out / "draft")
             (self.out / "train_config.json").write_text(json.dumps(asdict(self.config), indent=1))
-        _barrier()
+        barrier()
 
     def _load_latest(self) -> None:
         directory = latest_checkpoint(self.out)
@@ -388,13 +395,13 @@ def _nanmean(values) -> float:
     return sum(real) / len(real) if real else math.nan
 
 
-def _distributed_rank_and_size() -> tuple[int, int]:
+def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
