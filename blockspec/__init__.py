@@ -15,6 +15,7 @@ _EXPORTS = {
     "generate_text": "blockspec.decoding.text",
     "stream_text": "blockspec.decoding.text",
     "BlockspecError": "blockspec.errors",
+    "build_drafter": "blockspec.models",
     "load_drafter": "blockspec.models",
     "Target": "blockspec.models.target",
     "load_target": "blockspec.models.target",

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from blockspec.bench.cli import add_bench_command
 from blockspec.demo import add_demo_command
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_command(commands)
     add_train_draft_command(commands)
     add_demo_command(commands)
+    add_bench_command(commands)
     return parser
 
 
@@ -41,10 +43,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"target model: a local directory, a known name, or a hub name (default: {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=None,
-                        help="drafter checkpoint directory (default: the shipped DFlash drafter for the default "
-                             "target, none for other targets: autoregressive decoding)")
-    parser.add_argument("--method", default=None, choices=["dflash", "ar"],
-                        help="drafting method (default: read from the draft checkpoint; 'ar' decodes without a drafter)")
+                        help="the drafter: a DFlash checkpoint directory, or for --method draft a small causal LM "
+                             "(directory or known name) with the target's tokenizer (default: the shipped DFlash "
+                             "drafter for the default target, none for other targets: autoregressive decoding)")
+    parser.add_argument("--method", default=None, choices=["dflash", "draft", "ngram", "ar"],
+                        help="drafting method: dflash, draft (a small draft LM), ngram (prompt lookup, no --draft) "
+                             "or ar (no drafter) (default: read from the --draft checkpoint)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
 
@@ -154,23 +158,28 @@ def load_models(args):
     """The target and the drafter the options name (the drafter is None for AR decoding)."""
     from transformers.utils import logging as hf_logging
 
-    from blockspec.models import detect_method, load_drafter
+    from blockspec.models import build_drafter, detect_method
     from blockspec.models.target import load_target
 
-    if args.draft is None and args.method != "ar" and args.target == DEFAULT_TARGET:
+    method = args.method
+    if method == "ngram" and args.draft is not None:
+        raise BlockspecError("--method ngram drafts from the prompt and takes no --draft: drop --draft")
+    if args.draft is None and method in (None, "dflash") and args.target == DEFAULT_TARGET:
         from blockspec.demo import default_draft_path
 
         args.draft = str(default_draft_path())
-    if args.method not in (None, "ar") and args.draft is None:
-        raise BlockspecError(f"--method {args.method} needs --draft DIR")
-    autoregressive = args.method == "ar" or args.draft is None
-    method = None if autoregressive else (args.method or detect_method(args.draft))  # checks the draft early
+    if method in ("dflash", "draft") and args.draft is None:
+        what = "DIR" if method == "dflash" else "MODEL (a causal LM directory or a known name)"
+        raise BlockspecError(f"--method {method} needs --draft {what}")
+    autoregressive = method == "ar" or (method is None and args.draft is None)
+    if not autoregressive and method is None:
+        method = detect_method(args.draft)  # checks the draft before the target loads
     hf_logging.disable_progress_bar()
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     if autoregressive:
         return target, None
-    options = {"sample_drafts": args.draft_sampling == "sample"}
-    return target, load_drafter(args.draft, target, method=method, **options)
+    options = {} if method == "ngram" else {"sample_drafts": args.draft_sampling == "sample"}
+    return target, build_drafter(method, target, None if method == "ngram" else args.draft, **options)
 
 
 def run_generate(args) -> int:

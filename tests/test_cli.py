@@ -68,7 +68,7 @@ def test_the_default_target_drafts_with_the_shipped_drafter(monkeypatch):
     from blockspec.demo import default_draft_path
 
     monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
-    monkeypatch.setattr(models, "load_drafter", lambda path, target, method=None, **kw: (path, method))
+    monkeypatch.setattr(models, "build_drafter", lambda method, target, draft=None, **kw: (draft, method))
     args = build_parser().parse_args(["generate", "hello"])
     assert load_models(args) == ("target:smollm2-135m-instruct", (str(default_draft_path()), "dflash"))
     args = build_parser().parse_args(["generate", "--method", "ar", "hello"])

@@ -1,12 +1,16 @@
-"""Prompt sets: the small subsets bundled in the package, and any JSON-lines prompt file.
+"""Prompt sets: the small subsets bundled in the package, the full evaluation sets from a
+data directory or the hub, and any JSON-lines prompt file.
 
-Every loader returns rows ``{"id", "dataset", "turns": [user messages], ...}``; extra
-fields of the source (``answer``, ``category``) are kept.
+Every loader returns rows ``{"id", "dataset", "turns": [user messages], ...}``, the turns
+already in the DFlash reference benchmark's prompt format; extra fields of the source
+(``answer``, ``category``) are kept.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import random
 from importlib import resources
 from pathlib import Path
 
@@ -17,6 +21,28 @@ BUNDLED = ("gsm8k", "humaneval", "math500", "mbpp", "mt_bench")
 
 _PROMPT_PACKAGE = "blockspec.data.prompts"
 _TEXT_FIELDS = ("prompt", "question", "text")
+
+REASONING_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                      "```python\n{prompt}\n```")
+MBPP_TEST_IDS = range(11, 511)
+
+#: The evaluation sets' files in a data directory (the layout of the offline copies).
+DATASET_FILES = {
+    "gsm8k": "gsm8k_test.jsonl",
+    "math500": "math500.jsonl",
+    "humaneval": "humaneval.jsonl.gz",
+    "mbpp": "mbpp.jsonl",
+    "mt_bench": "mt_bench.jsonl",
+}
+#: The same sets by their hub names (``datasets.load_dataset`` arguments), for online use.
+HUB_DATASETS = {
+    "gsm8k": ("openai/gsm8k", "main", "test"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "humaneval": ("openai/openai_humaneval", None, "test"),
+    "mbpp": ("google-research-datasets/mbpp", "full", "test"),
+    "mt_bench": ("HuggingFaceH4/mt_bench_prompts", None, "train"),
+}
 
 
 def bundled_name(name: str) -> str:
@@ -96,3 +122,97 @@ def _normalise(raw, where: str, default_dataset: str, index: int) -> dict:
     }
     row.update((key, value) for key, value in raw.items() if key not in row and key not in _TEXT_FIELDS)
     return row
+
+
+# --------------------------------------------------------------------------------------
+# The full evaluation sets, from their source rows
+# --------------------------------------------------------------------------------------
+
+
+def format_source_row(name: str, raw: dict, index: int) -> dict | None:
+    """A source row of an evaluation set as a prompt row in the reference format (None: not a test row)."""
+    name = bundled_name(name)
+    if name == "gsm8k":
+        answer = raw["answer"].split("####")[-1].strip().replace(",", "")
+        return {"id": f"gsm8k/{index}", "dataset": name,
+                "turns": [raw["question"] + REASONING_INSTRUCTION], "answer": answer}
+    if name == "math500":
+        prompt = raw.get("prompt") or raw["problem"] + REASONING_INSTRUCTION
+        return {"id": f"math500/{index}", "dataset": name, "turns": [prompt], "answer": raw["answer"]}
+    if name == "humaneval":
+        return {"id": raw["task_id"], "dataset": name, "turns": [HUMANEVAL_TEMPLATE.format(prompt=raw["prompt"])]}
+    if name == "mbpp":
+        if int(raw["task_id"]) not in MBPP_TEST_IDS:
+            return None
+        return {"id": f"mbpp/{raw['task_id']}", "dataset": name, "turns": [raw["text"]]}
+    turns = raw.get("turns") or raw.get("prompt")
+    return {"id": f"mt_bench/{raw['question_id']}", "dataset": name, "category": raw.get("category"),
+            "turns": list(turns)}
+
+
+def load_from_directory(name: str, directory) -> list[dict]:
+    """Every test row of an evaluation set from a directory laid out like the offline copies."""
+    name = bundled_name(name)
+    path = Path(directory) / DATASET_FILES[name]
+    if not path.is_file():
+        raise BlockspecError(f"{path} does not exist: --data-dir must hold {DATASET_FILES[name]} for {name}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                rows.append(_source_row(name, line, f"{path} line {number}", index=number - 1))
+    return [row for row in rows if row is not None]
+
+
+def load_from_hub(name: str) -> list[dict]:
+    """Every test row of an evaluation set by its hub name (needs ``datasets`` and a network)."""
+    name = bundled_name(name)
+    try:
+        import datasets
+    except ImportError:
+        raise BlockspecError(f"loading {name} from the hub needs the 'datasets' package: pip install datasets, "
+                             "or use the bundled subsets or --data-dir") from None
+    repo, subset, split = HUB_DATASETS[name]
+    try:
+        table = datasets.load_dataset(repo, subset, split=split)
+    except Exception as error:  # network, auth and format errors all end the same way
+        raise BlockspecError(f"could not load {repo} from the hub ({error}); offline, use --data-dir") from None
+    rows = (format_source_row(name, dict(raw), index) for index, raw in enumerate(table))
+    return [row for row in rows if row is not None]
+
+
+def _source_row(name: str, line: str, where: str, index: int) -> dict | None:
+    try:
+        return format_source_row(name, json.loads(line), index)
+    except json.JSONDecodeError as error:
+        raise BlockspecError(f"{where} is not valid JSON ({error.msg})") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise BlockspecError(f"{where} is not a {name} row (missing or bad field {error})") from None
+
+
+def load_benchmark_prompts(name: str, *, source: str = "bundled", num_prompts: int | None = None,
+                           seed: int | None = None) -> list[dict]:
+    """Prompts of one set: ``name`` is a known set or a JSON-lines file; ``source`` is
+    "bundled", "hub" or a data directory. ``num_prompts`` rows: the first ones, or a random
+    choice when ``seed`` is given (kept in the set's order)."""
+    if num_prompts is not None and num_prompts < 1:
+        raise BlockspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if Path(name).suffix in (".jsonl", ".json") or Path(name).is_file():
+        rows = load_prompt_file(name)
+    elif source == "bundled":
+        rows = load_bundled(name)
+    elif source == "hub":
+        rows = load_from_hub(name)
+    else:
+        rows = load_from_directory(name, source)
+    return select_rows(rows, num_prompts, seed)
+
+
+def select_rows(rows: list[dict], count: int | None, seed: int | None) -> list[dict]:
+    if count is None or count >= len(rows):
+        return list(rows)
+    if seed is None:
+        return rows[:count]
+    chosen = sorted(random.Random(seed).sample(range(len(rows)), count))
+    return [rows[i] for i in chosen]

@@ -79,8 +79,12 @@ def resolve_path(name_or_path: str) -> str:
     return hub.resolve_model(name_or_path)
 
 
-def load_target(name_or_path: str, device: str | None = None, dtype: str | torch.dtype | None = None) -> Target:
-    """Load a causal LM and its tokenizer from a local directory (or a hub name when online)."""
+def load_target(name_or_path: str, device: str | None = None, dtype: str | torch.dtype | None = None,
+                *, role: str = "target") -> Target:
+    """Load a causal LM and its tokenizer from a local directory (or a hub name when online).
+
+    ``role`` names the model in error messages ("target", or "draft" for a draft model).
+    """
     path = resolve_path(str(name_or_path))
     _check_model_dir(path)
     dev = torch.device(device) if device else default_device()
@@ -89,7 +93,7 @@ def load_target(name_or_path: str, device: str | None = None, dtype: str | torch
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except (OSError, ValueError) as error:
-        raise BlockspecError(f"could not load the target model from {path}: {error}") from error
+        raise BlockspecError(f"could not load the {role} model from {path}: {error}") from error
     model.to(dev).eval()
     model.requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, name=str(name_or_path))

@@ -1,0 +1,222 @@
+"""The decoding methods the benchmark compares, each behind one small interface.
+
+A method turns prompt token ids into new token ids and the figures of that one decode.
+``ar`` and every drafter go through blockspec's own loop and verifier; the ``hf*`` methods
+call Hugging Face ``generate`` as users run it, so the comparison includes its overheads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.errors import BlockspecError
+
+#: Methods that need no drafter and no second model.
+BASELINES = ("ar", "hf", "hf-prompt-lookup")
+#: HF's prompt lookup drafts this many tokens per step unless a block size is given (its docs' value).
+HF_PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class Decode:
+    """One method's decode of one prompt turn."""
+
+    token_ids: list[int]
+    seconds: float
+    time_to_first_token: float
+    #: Tokens each target forward after the prefill produced (so tau is their mean).
+    acceptance_lengths: list[int]
+    #: Per decode step, drafts proposed and accepted (empty for methods that do not say).
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    peak_memory_mib: float = 0.0
+    finish_reason: str = ""
+
+
+class Method(Protocol):
+    name: str
+
+    def decode(self, prompt_ids: list[int], config: GenerationConfig) -> Decode: ...
+
+
+class LoopMethod:
+    """blockspec's loop: autoregressive without a drafter, speculative with one."""
+
+    def __init__(self, name: str, model, drafter=None):
+        self.name = name
+        self.model = model
+        self.drafter = drafter
+
+    def decode(self, prompt_ids, config):
+        with MemoryMeter(self.model.device) as memory:
+            stream = speculative_generate(self.model, torch.tensor([prompt_ids]), self.drafter, config)
+            for _ in stream:
+                pass
+        stats = stream.stats
+        return Decode(list(stream.token_ids), stats.total_time, stats.time_to_first_token,
+                      list(stats.acceptance_lengths), list(stats.drafted), list(stats.accepted),
+                      memory.peak_mib, stats.finish_reason)
+
+
+class HFGenerateMethod:
+    """Hugging Face ``generate``: plain, assisted by a draft model, or with prompt lookup."""
+
+    def __init__(self, name: str, model, *, pad_token_id: int, assistant=None, prompt_lookup_tokens=None,
+                 assistant_tokens=None):
+        self.name = name
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.assistant = assistant
+        self.prompt_lookup_tokens = prompt_lookup_tokens
+        self.assistant_tokens = assistant_tokens
+
+    def decode(self, prompt_ids, config):
+        ids = torch.tensor([prompt_ids], device=self.model.device)
+        recorder = StepRecorder(self.model.device)
+        with MemoryMeter(self.model.device) as memory, torch.inference_mode():
+            recorder.start()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=recorder,
+                                      generation_config=self._generation_config(config),
+                                      **self._drafting_options())
+            seconds = recorder.elapsed()
+        tokens = out[0, ids.shape[1]:].tolist()
+        finish = "stop" if tokens and tokens[-1] in config.stop_token_ids else "length"
+        # Plain decoding's first step is the prefill's token, which the loop's tau leaves out too;
+        # assisted decoding verifies its first draft in the prefill forward itself.
+        steps = recorder.step_lengths if self._drafts else recorder.step_lengths[1:]
+        return Decode(tokens, seconds, recorder.time_to_first_token, steps,
+                      peak_memory_mib=memory.peak_mib, finish_reason=finish)
+
+    @property
+    def _drafts(self) -> bool:
+        return self.assistant is not None or self.prompt_lookup_tokens is not None
+
+    def _generation_config(self, config: GenerationConfig):
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        sampling = config.sampling
+        options = dict(max_new_tokens=config.max_new_tokens, do_sample=not sampling.greedy,
+                       eos_token_id=list(config.stop_token_ids) or None, pad_token_id=self.pad_token_id)
+        if not sampling.greedy:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        if self.assistant_tokens is not None:
+            options.update(num_assistant_tokens=self.assistant_tokens, num_assistant_tokens_schedule="constant")
+        if self.prompt_lookup_tokens is not None:
+            options.update(prompt_lookup_num_tokens=self.prompt_lookup_tokens)
+        return HFGenerationConfig(**options)
+
+    def _drafting_options(self) -> dict:
+        return {"assistant_model": self.assistant} if self.assistant is not None else {}
+
+
+class StepRecorder:
+    """A ``generate`` streamer that records when tokens arrive and how many each step brings.
+
+    ``generate`` first puts the prompt, then the tokens of each step: one per forward when
+    decoding plainly, the accepted drafts plus one in assisted generation.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.step_lengths: list[int] = []
+        self.time_to_first_token = 0.0
+        self._start = 0.0
+        self._seen_prompt = False
+
+    def start(self) -> None:
+        self._start = _now(self.device)
+
+    def elapsed(self) -> float:
+        return _now(self.device) - self._start
+
+    def put(self, value) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        if not self.step_lengths:
+            self.time_to_first_token = self.elapsed()
+        self.step_lengths.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class MemoryMeter:
+    """Peak memory during a block: CUDA's allocator peak, or on a CPU the process's resident
+    set, sampled every few milliseconds by a background thread."""
+
+    INTERVAL_S = 0.002
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.peak_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            import psutil
+
+            self._process = psutil.Process()
+            self._peak = self._process.memory_info().rss
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.device.type == "cuda":
+            self.peak_mib = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mib = max(self._peak, self._process.memory_info().rss) / 2**20
+        return False
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+
+def build_methods(names, target, *, drafters: dict | None = None, assistant=None,
+                  block_size: int | None = None) -> list:
+    """Methods by name: the baselines, ``hf-assisted`` (needs ``assistant``, a draft LM), and
+    any name in ``drafters`` (name -> Drafter) through blockspec's loop."""
+    drafters = drafters or {}
+    pad = target.tokenizer.pad_token_id
+    pad = pad if pad is not None else (target.stop_token_ids() or [0])[0]
+    draft_tokens = block_size - 1 if block_size else None
+    methods = []
+    for name in names:
+        if name == "ar":
+            methods.append(LoopMethod("ar", target.model))
+        elif name == "hf":
+            methods.append(HFGenerateMethod("hf", target.model, pad_token_id=pad))
+        elif name == "hf-prompt-lookup":
+            methods.append(HFGenerateMethod(name, target.model, pad_token_id=pad,
+                                            prompt_lookup_tokens=draft_tokens or HF_PROMPT_LOOKUP_TOKENS))
+        elif name == "hf-assisted":
+            if assistant is None:
+                raise BlockspecError("hf-assisted needs a draft model: pass --assistant MODEL "
+                                     "(a smaller causal LM with the target's tokenizer)")
+            methods.append(HFGenerateMethod(name, target.model, pad_token_id=pad, assistant=assistant,
+                                            assistant_tokens=draft_tokens))
+        elif name in drafters:
+            methods.append(LoopMethod(name, target.model, drafters[name]))
+        else:
+            known = list(BASELINES) + ["hf-assisted"] + list(drafters)
+            raise BlockspecError(f"unknown benchmark method {name!r}: choose from {', '.join(known)}")
+    return methods
+
+
+def _now(device) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -1,0 +1,146 @@
+"""A classic draft model: a small causal LM with the target's tokenizer drafts token by token.
+
+The draft keeps its own KV cache. Each ``propose`` feeds the committed tokens it has not
+seen plus the last token, then drafts n tokens autoregressively (n - 1 of them enter its
+cache). ``commit`` crops the cache back to the tokens the target kept. At temperature > 0
+the drafts are sampled from the draft's distribution under the same sampling settings as
+the target, and that distribution goes to the verifier, so rejection sampling is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from blockspec.decoding.drafter import Proposal
+from blockspec.decoding.generate import positions
+from blockspec.decoding.sampling import sample_from, sampling_probs
+from blockspec.errors import BlockspecError, IncompatibleDraftError
+
+# Each draft token is one sequential forward of the draft model, so long chains cost
+# draft time just as acceptance falls off: 4 drafts per step (Leviathan et al. use 3 to 7).
+DEFAULT_BLOCK_SIZE = 5
+_SHOWN_MISMATCHES = 3
+
+
+class DraftModelDrafter:
+    """A small LM behind the drafter protocol."""
+
+    name = "draft"
+    feature_layers = None
+    max_draft_tokens = None
+
+    def __init__(self, draft_model, target_model, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                 sample_drafts: bool = True):
+        if block_size < 1:
+            raise BlockspecError(f"block_size must be >= 1, got {block_size}")
+        self.device = target_model.device
+        self.model = draft_model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.default_block_size = block_size
+        #: At temperature > 0: sample drafts from q and use full rejection sampling (True),
+        #: or draft greedily and accept with probability p(draft) (False).
+        self.sample_drafts = sample_drafts
+        self.tokens: list[int] = []
+        self.cached_tokens: list[int] = []
+
+    @torch.inference_mode()
+    def begin(self, prompt_ids, features):
+        self.cache = DynamicCache(config=self.model.config)
+        self.tokens = prompt_ids[0].tolist()
+        self.cached_tokens = []
+        self._next_logits(self.tokens)  # the prefill
+
+    @torch.inference_mode()
+    def propose(self, last_token, num_tokens, sampling, generator) -> Proposal:
+        if num_tokens == 0:
+            return Proposal.empty(self.device)
+        sampled = not sampling.greedy and self.sample_drafts
+        feed = self.tokens[len(self.cached_tokens):] + [last_token]
+        drafts, probs = [], []
+        for _ in range(num_tokens):
+            logits = self._next_logits(feed)
+            if sampled:
+                q = sampling_probs(logits, sampling)
+                probs.append(q)
+                token = int(sample_from(q, generator))
+            else:
+                token = int(logits.argmax())
+            drafts.append(token)
+            feed = [token]
+        tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
+        return Proposal(tokens, torch.stack(probs) if sampled else None)
+
+    def commit(self, tokens, features):
+        verified = len(self.tokens)
+        self.tokens.extend(tokens[0].tolist())
+        kept = verified + _common_prefix(self.cached_tokens[verified:], self.tokens[verified:])
+        if kept < len(self.cached_tokens):
+            self.cache.crop(kept - len(self.cached_tokens))
+            del self.cached_tokens[kept:]
+
+    def _next_logits(self, new_tokens: list[int]) -> torch.Tensor:
+        """Feed tokens to the draft; its logits [V_target] for the token after them."""
+        start = len(self.cached_tokens)
+        ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, position_ids=positions(start, len(new_tokens), self.device),
+                         cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached_tokens.extend(new_tokens)
+        return _fit_vocabulary(out.logits[0, -1].float(), self.vocab_size)
+
+
+def _fit_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits cut or padded (with -inf) to the target's logits width."""
+    width = logits.shape[-1]
+    if width >= vocab_size:
+        return logits[..., :vocab_size]
+    return torch.nn.functional.pad(logits, (0, vocab_size - width), value=float("-inf"))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
+def check_compatible(draft_tokenizer, target_tokenizer, *, draft_name: str = "the draft model") -> None:
+    """Refuse a draft whose token ids mean something else than the target's.
+
+    Every token of the target (special tokens included) must have the same id in the draft's
+    vocabulary; the draft may hold extra tokens (a padded or larger vocabulary).
+    """
+    draft_vocab = draft_tokenizer.get_vocab()
+    mismatches = [(token, index, draft_vocab.get(token)) for token, index in target_tokenizer.get_vocab().items()
+                  if draft_vocab.get(token) != index]
+    if not mismatches:
+        return
+    mismatches.sort(key=lambda m: m[1])
+    shown = "; ".join(f"{token!r} is id {index} in the target but "
+                      f"{'missing' if other is None else f'id {other}'} in the draft"
+                      for token, index, other in mismatches[:_SHOWN_MISMATCHES])
+    more = f" (and {len(mismatches) - _SHOWN_MISMATCHES} more)" if len(mismatches) > _SHOWN_MISMATCHES else ""
+    raise IncompatibleDraftError(
+        f"{draft_name} does not share the target's tokenizer: {shown}{more}; "
+        "use a draft model of the target's family and tokenizer, or prompt lookup (method ngram)"
+    )
+
+
+def load_draft_model_drafter(name_or_path, target, device=None, dtype=None, *,
+                             block_size: int = DEFAULT_BLOCK_SIZE, sample_drafts: bool = True) -> DraftModelDrafter:
+    """A draft LM (a directory or a known model name) on the target's device and dtype."""
+    from blockspec.models.target import load_target
+
+    draft = load_target(str(name_or_path), device=device or target.device, dtype=dtype or target.model.dtype,
+                        role="draft")
+    check_compatible(draft.tokenizer, target.tokenizer, draft_name=f"the draft model {name_or_path}")
+    rows = draft.model.get_input_embeddings().weight.shape[0]
+    if rows < len(target.tokenizer):
+        raise IncompatibleDraftError(
+            f"the draft model {name_or_path} embeds {rows} tokens but the target's tokenizer has "
+            f"{len(target.tokenizer)}: use a draft model with the target's full vocabulary"
+        )
+    return DraftModelDrafter(draft.model, target.model, block_size=block_size, sample_drafts=sample_drafts)

@@ -1,0 +1,326 @@
+"""Prompt lookup and the classic draft model: lossless under the one verifier, clear errors."""
+
+import copy
+import json
+
+import pytest
+import torch
+from test_lossless import hf_greedy, prompts
+from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint
+from tiny_models import make_causal_lm, make_tokenizer, save_tiny_target
+
+from blockspec.cli import main
+from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.sampling import SamplingConfig
+from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter, check_compatible
+from blockspec.errors import BlockspecError, IncompatibleDraftError
+from blockspec.models import build_drafter, detect_method
+from blockspec.models.target import load_target
+
+MAX_NEW = 24
+NUM_PROMPTS = 20
+
+
+def repetitive_prompts(vocab_size, count, seed=0):
+    """Random phrases said several times, with some noise between them."""
+    generator = torch.Generator().manual_seed(seed)
+    result = []
+    for _ in range(count):
+        phrase = torch.randint(4, vocab_size, (int(torch.randint(3, 8, (1,), generator=generator)),),
+                               generator=generator)
+        noise = torch.randint(4, vocab_size, (3,), generator=generator)
+        repeats = int(torch.randint(2, 4, (1,), generator=generator))
+        result.append(torch.cat([phrase, noise] * repeats + [phrase[:2]]).unsqueeze(0))
+    return result
+
+
+def run(target, ids, drafter, **config):
+    stream = speculative_generate(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW, **config))
+    list(stream)
+    return stream
+
+
+def perturbed_copy(model, scale=0.02, seed=0):
+    """A draft that agrees with the target often, but not always: rejections mid-block."""
+    generator = torch.Generator().manual_seed(seed)
+    noisy = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * scale)
+    return noisy
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def world(request):
+    # float64 so that block verification and HF's token-by-token decode cannot disagree by rounding.
+    target = make_causal_lm(request.param, vocab_size=320).double()
+    half = NUM_PROMPTS // 2
+    cases = prompts(320, count=half, seed=1) + repetitive_prompts(320, NUM_PROMPTS - half, seed=2)
+    references = [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in cases]
+    other_arch = "qwen3" if request.param == "llama" else "llama"
+    drafts = {
+        "other": make_causal_lm(other_arch, vocab_size=320, seed=9, num_hidden_layers=1).double(),
+        "perturbed": perturbed_copy(target),
+        "self": target,
+    }
+    return target, references, drafts
+
+
+def make_drafter(kind, target, drafts, block_size):
+    if kind == "ngram":
+        return PromptLookupDrafter(block_size=block_size)
+    return DraftModelDrafter(drafts[kind], target, block_size=block_size)
+
+
+# Draft-model runs cost one draft forward per draft token: the weakest draft (a different
+# random LM, tau ~ 1) runs on fewer prompts and block sizes than the others.
+CASES = [(kind, block_size, NUM_PROMPTS) for kind in ("ngram", "self") for block_size in (2, 4, 8)]
+CASES += [("perturbed", block_size, 8) for block_size in (2, 4, 8)] + [("other", 4, 6)]
+
+
+@pytest.mark.parametrize("kind,block_size,num_prompts", CASES)
+def test_greedy_equals_hf_generate(world, kind, block_size, num_prompts):
+    target, references, drafts = world
+    drafter = make_drafter(kind, target, drafts, block_size)
+    accepted = partial = 0
+    for ids, expected in references[:num_prompts // 2] + references[-(num_prompts // 2):]:
+        stream = run(target, ids, drafter)
+        assert stream.token_ids == expected
+        stats = stream.stats
+        assert all(1 <= n <= block_size for n in stats.acceptance_lengths)
+        accepted += sum(stats.accepted)
+        partial += sum(0 < a < d for a, d in zip(stats.accepted, stats.drafted))
+        if kind == "self":
+            assert all(n == block_size for n in stats.acceptance_lengths[:-1]), stats.acceptance_lengths
+        if kind != "ngram":  # the draft's cache holds a prefix of the committed sequence, nothing else
+            assert drafter.cached_tokens == drafter.tokens[:len(drafter.cached_tokens)]
+    if kind != "other":
+        assert accepted > 0
+    if kind == "perturbed" and block_size > 2:
+        assert partial > 0  # rejections inside a block happened, so the draft cache was cropped
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_ngram_drafts_on_repetitive_text(arch):
+    # A small vocabulary makes the random target repeat itself, as real models do on code.
+    target = make_causal_lm(arch, vocab_size=32).double()
+    drafter = PromptLookupDrafter()
+    taus = []
+    for ids in repetitive_prompts(32, 10, seed=2):
+        stream = run(target, ids, drafter)
+        assert stream.token_ids == hf_greedy(target, ids, MAX_NEW)
+        assert sum(stream.stats.drafted) > 0
+        taus.append(stream.stats.tau)
+    assert max(taus) > 1.5 and sum(taus) / len(taus) > 1.2, taus
+
+
+def test_draft_with_a_padded_vocabulary():
+    target = make_causal_lm("llama", vocab_size=320).double()
+    draft = perturbed_copy(target)
+    draft.resize_token_embeddings(336)  # the padded embedding rows of many released models
+    drafter = DraftModelDrafter(draft, target)
+    for ids in prompts(320, count=5, seed=3):
+        assert run(target, ids, drafter).token_ids == hf_greedy(target, ids, MAX_NEW)
+    sampled = drafter.propose(5, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    assert sampled.probs.shape == (3, 320)
+
+
+# --- prompt lookup on its own -------------------------------------------------------------
+
+def lookup(history, num_tokens=4, **options):
+    drafter = PromptLookupDrafter(**options)
+    drafter.begin(torch.tensor([history[:-1]]), None)
+    return drafter.propose(history[-1], num_tokens, SamplingConfig(), None).tokens.tolist()
+
+
+@pytest.mark.parametrize("history,expected", [
+    ([1, 2, 3, 4, 1, 2], [3, 4, 1, 2]),
+    ([5, 9, 1, 2, 7, 3, 2, 8, 1, 2], [7, 3, 2, 8]),  # the longest suffix wins over a later 1-gram
+    ([1, 2, 7, 1, 2, 8, 1, 2], [8, 1, 2, 8]),  # the most recent match wins
+    ([4, 4, 4], [4, 4, 4, 4]),  # a repeat continues past the end of the history
+    ([1, 2, 3, 4], []),  # nothing to copy
+])
+def test_prompt_lookup(history, expected):
+    assert lookup(history) == expected
+
+
+def test_prompt_lookup_respects_min_ngram():
+    assert lookup([1, 2, 9, 5, 2], min_ngram=2) == []
+    assert lookup([1, 2, 9, 5, 2], min_ngram=1) == [9, 5, 2, 9]
+
+
+def test_prompt_lookup_follows_commits():
+    drafter = PromptLookupDrafter()
+    drafter.begin(torch.tensor([[1, 2, 3]]), None)
+    assert drafter.propose(4, 3, SamplingConfig(), None).tokens.tolist() == []
+    drafter.commit(torch.tensor([[4, 1]]), None)  # the last token 4, one accepted draft
+    drafter.commit(torch.tensor([[2]]), None)  # a step where nothing was proposed
+    assert drafter.propose(3, 3, SamplingConfig(), None).tokens.tolist() == [4, 1, 2]
+    assert drafter.tokens == [1, 2, 3, 4, 1, 2, 3]
+
+
+def test_prompt_lookup_stays_cheap_on_long_contexts():
+    drafter = PromptLookupDrafter()
+    drafter.begin(torch.randint(0, 50, (1, 4000), generator=torch.Generator().manual_seed(0)), None)
+    for token in range(200):
+        proposal = drafter.propose(token % 50, 7, SamplingConfig(), None)
+        drafter.commit(torch.tensor([[token % 50, *proposal.tokens[:2].tolist()]]), None)
+    assert len(drafter.tokens) > 4000
+
+
+# --- sampling: the output follows the target's distribution -------------------------------
+
+@pytest.fixture(scope="module")
+def small_target():
+    return make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,sampling", [
+    ("draft", SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)),
+    ("ngram", SamplingConfig(temperature=1.0)),
+])
+def test_speculative_sampling_matches_target_sampling(small_target, kind, sampling):
+    if kind == "draft":
+        # another small LM whose vocabulary is padded past the target's
+        draft = make_causal_lm("llama", vocab_size=VOCAB + 2, seed=5, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)
+        drafter = DraftModelDrafter(draft, small_target)
+    else:
+        drafter = PromptLookupDrafter()
+    probs = {k: v for k, v in exact_joint(small_target, sampling).items() if v > 0}
+    counts = sampled_joint(small_target, drafter, sampling, SAMPLES)
+    assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
+
+
+def test_sampled_drafts_carry_their_distribution(small_target):
+    draft = make_causal_lm("llama", vocab_size=VOCAB, seed=5, hidden_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+    drafter = DraftModelDrafter(draft, small_target)
+    drafter.begin(PROMPT, None)
+    proposal = drafter.propose(4, 3, SamplingConfig(temperature=0.8, top_k=3), torch.Generator().manual_seed(0))
+    assert proposal.probs.shape == (3, VOCAB)
+    assert torch.allclose(proposal.probs.sum(dim=-1), torch.ones(3))
+    assert ((proposal.probs > 0).sum(dim=-1) <= 3).all()
+    assert (proposal.probs[torch.arange(3), proposal.tokens] > 0).all()
+    drafter.sample_drafts = False
+    assert drafter.propose(4, 3, SamplingConfig(temperature=0.8), None).probs is None
+
+
+# --- compatibility and the registry -------------------------------------------------------
+
+def test_the_same_tokenizer_and_a_padded_superset_are_compatible():
+    target = make_tokenizer()
+    check_compatible(make_tokenizer(), target)
+    larger = make_tokenizer()
+    larger.add_tokens(["<extra_0>", "<extra_1>"])
+    check_compatible(larger, target)
+
+
+def test_another_tokenizer_is_refused():
+    target = make_tokenizer()
+    with pytest.raises(IncompatibleDraftError, match="does not share the target's tokenizer: .* missing in the draft"):
+        check_compatible(make_tokenizer(vocab_size=300), target)
+    larger = make_tokenizer()
+    larger.add_tokens(["<extra_0>"])
+    with pytest.raises(IncompatibleDraftError, match="'<extra_0>' is id 320 in the target but missing"):
+        check_compatible(target, larger)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir):
+    return load_target(str(tiny_target_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_draft_dir(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-lm-draft"), arch="qwen3", seed=3)
+
+
+def test_build_a_draft_model_drafter_from_a_directory(tiny_target, tiny_lm_draft_dir):
+    drafter = build_drafter("draft", tiny_target, str(tiny_lm_draft_dir), block_size=3)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.default_block_size == 3
+    assert drafter.model.dtype == tiny_target.model.dtype and drafter.model.device == tiny_target.device
+    assert detect_method(tiny_lm_draft_dir) == "draft"
+    ids = tiny_target.encode_prompt("What is 12 times 7?")
+    assert run(tiny_target.model, ids, drafter).token_ids == hf_greedy(tiny_target.model, torch.tensor([ids]),
+                                                                     MAX_NEW)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_target, tmp_path):
+    make_causal_lm("llama", vocab_size=300).save_pretrained(tmp_path)
+    make_tokenizer(vocab_size=300).save_pretrained(tmp_path)
+    with pytest.raises(IncompatibleDraftError, match="does not share the target's tokenizer"):
+        build_drafter("draft", tiny_target, str(tmp_path))
+
+
+@pytest.mark.parametrize("method,draft,options,message", [
+    ("eagle", None, {}, "unknown drafting method 'eagle'; choose one of dflash, draft, ngram"),
+    ("ar", None, {}, "'ar' decodes without a drafter"),
+    ("dflash", None, {}, "the dflash method needs a draft: a DFlash checkpoint directory"),
+    ("draft", None, {}, "the draft method needs a draft: a causal LM directory or a known model name"),
+    ("ngram", "some/dir", {}, "takes no draft model"),
+    ("ngram", None, {"window": 3}, "the ngram method takes no option window: its options are max_ngram"),
+    ("ngram", None, {"max_ngram": 1, "min_ngram": 2}, r"max_ngram \(1\) must be >= min_ngram \(2\)"),
+    ("ngram", None, {"min_ngram": 0}, "min_ngram must be >= 1"),
+])
+def test_build_drafter_errors(tiny_target, method, draft, options, message):
+    with pytest.raises(BlockspecError, match=message):
+        build_drafter(method, tiny_target, draft, **options)
+
+
+def test_build_prompt_lookup_with_options(tiny_target):
+    drafter = build_drafter("ngram", tiny_target, max_ngram=5, min_ngram=2, block_size=6)
+    assert drafter.config.max_ngram == 5 and drafter.default_block_size == 6
+
+
+# --- the command line ---------------------------------------------------------------------
+
+def generate_json(capsys, *args):
+    assert main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_generate_with_prompt_lookup(tiny_target_dir, capsys):
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    common = ["--target", str(tiny_target_dir), "--max-new-tokens", "24", "--no-chat-template"]
+    ngram = generate_json(capsys, *common, "--method", "ngram", prompt)
+    plain = generate_json(capsys, *common, prompt)
+    assert ngram["token_ids"] == plain["token_ids"]
+    stats = ngram["stats"]
+    assert stats["new_tokens"] == len(ngram["token_ids"]) and sum(stats["drafted"]) > 0
+    assert stats["target_forwards"] == 1 + len(stats["acceptance_lengths"])
+
+
+def test_cli_generate_with_a_draft_model(tiny_target_dir, tiny_lm_draft_dir, capsys):
+    common = ["--target", str(tiny_target_dir), "--max-new-tokens", "16", "Write a function"]
+    detected = generate_json(capsys, "--draft", str(tiny_lm_draft_dir), *common)
+    named = generate_json(capsys, "--method", "draft", "--draft", str(tiny_lm_draft_dir), "--block-size", "3", *common)
+    plain = generate_json(capsys, *common)
+    assert detected["token_ids"] == named["token_ids"] == plain["token_ids"]
+    assert max(named["stats"]["drafted"]) == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "ngram", "--draft", "x"], "--method ngram drafts from the prompt and takes no --draft"),
+    (["--method", "draft"], "--method draft needs --draft MODEL"),
+])
+def test_cli_method_errors(tiny_target_dir, args, message, capsys):
+    assert main(["generate", "--target", str(tiny_target_dir), *args, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and message in err and err.count("\n") == 1
+
+
+def test_the_default_target_with_draft_methods(monkeypatch):
+    import blockspec.models as models
+    import blockspec.models.target as target_module
+    from blockspec.cli import build_parser, load_models
+
+    monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
+    monkeypatch.setattr(models, "build_drafter", lambda method, target, draft=None, **kw: (method, draft, kw))
+    args = build_parser().parse_args(["generate", "--method", "ngram", "hello"])
+    assert load_models(args) == ("target:smollm2-135m-instruct", ("ngram", None, {}))
+    args = build_parser().parse_args(["generate", "--method", "draft", "--draft", "qwen2.5-coder-0.5b-instruct", "hi"])
+    assert load_models(args)[1] == ("draft", "qwen2.5-coder-0.5b-instruct", {"sample_drafts": True})
+    assert detect_method("qwen2.5-coder-0.5b-instruct") == "draft"
