@@ -125,9 +125,6 @@ def load_methods(args):
     drafts = parse_drafts(args.draft, args.target)
     names = parse_methods(args.methods, drafts, args.assistant)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    assistant = None
-    if args.assistant and "hf-assisted" in names:
-        assistant = load_target(args.assistant, device=str(target.device), dtype=target.model.dtype).model
     drafters = {}
     for name in names:
         if name in DRAFT_METHODS:
@@ -135,6 +132,10 @@ def load_methods(args):
             if name == "dflash" and draft is None:
                 raise BlockspecError("the dflash method needs --draft DIR (a DFlash checkpoint) for this target")
             drafters[name] = build_drafter(name, target, draft)
+    assistant = None
+    if "hf-assisted" in names:  # the same draft LM as the draft method's, loaded once
+        assistant = drafters["draft"].model if "draft" in drafters else \
+            load_target(args.assistant, device=str(target.device), dtype=target.model.dtype).model
     return target, build_methods(names, target, drafters=drafters, assistant=assistant, block_size=args.block_size)
 
 

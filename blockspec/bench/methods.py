@@ -8,13 +8,12 @@ call Hugging Face ``generate`` as users run it, so the comparison includes its o
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.generate import GenerationConfig, speculative_generate, wall_clock
 from blockspec.errors import BlockspecError
 
 #: Methods that need no drafter and no second model.
@@ -130,10 +129,10 @@ class StepRecorder:
         self._seen_prompt = False
 
     def start(self) -> None:
-        self._start = _now(self.device)
+        self._start = wall_clock(self.device)
 
     def elapsed(self) -> float:
-        return _now(self.device) - self._start
+        return wall_clock(self.device) - self._start
 
     def put(self, value) -> None:
         if not self._seen_prompt:
@@ -215,8 +214,3 @@ def build_methods(names, target, *, drafters: dict | None = None, assistant=None
             raise BlockspecError(f"unknown benchmark method {name!r}: choose from {', '.join(known)}")
     return methods
 
-
-def _now(device) -> float:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()

@@ -14,6 +14,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from blockspec.decoding.generate import acceptance_by_position
 from blockspec.errors import BlockspecError
 
 BASELINES = ("ar", "hf")
@@ -39,7 +40,8 @@ def _figures(rows: list[dict], method: str) -> dict:
         "tau": sum(steps) / len(steps) if steps else 0.0,
         "tau_per_prompt_mean": _mean([r["tau"] for r in mine]),
         "tau_histogram": {str(k): v for k, v in sorted(Counter(steps).items())},
-        "acceptance_by_position": acceptance_by_position([r["drafted"] for r in mine], [r["accepted"] for r in mine]),
+        "acceptance_by_position": acceptance_by_position([n for r in mine for n in r["drafted"]],
+                                                         [n for r in mine for n in r["accepted"]]),
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "tokens_per_s_per_prompt_mean": _mean([r["tokens_per_s"] for r in mine]),
         "time_to_first_token_mean": _mean([r["time_to_first_token"] for r in mine]),
@@ -59,17 +61,6 @@ def per_prompt_speedups(rows: list[dict], method: str, baseline: str) -> list[fl
     base = {r["id"]: r["tokens_per_s"] for r in rows if r["method"] == baseline}
     return [r["tokens_per_s"] / base[r["id"]] for r in rows
             if r["method"] == method and base.get(r["id"], 0) > 0 and r["tokens_per_s"] > 0]
-
-
-def acceptance_by_position(drafted: list[list[int]], accepted: list[list[int]]) -> list[float]:
-    """P(draft k accepted | k drafted), k = 1..the longest draft, over every step of every prompt."""
-    pairs = [(d, a) for ds, acc in zip(drafted, accepted) for d, a in zip(ds, acc)]
-    longest = max((d for d, _ in pairs), default=0)
-    rates = []
-    for k in range(1, longest + 1):
-        tried = [a for d, a in pairs if d >= k]
-        rates.append(sum(a >= k for a in tried) / len(tried))
-    return rates
 
 
 def _mean(values) -> float:

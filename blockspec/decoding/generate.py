@@ -79,11 +79,7 @@ class GenerationStats:
 
     def acceptance_by_position(self) -> list[float]:
         """P(draft k accepted | k drafted), k = 1..max drafted."""
-        rates = []
-        for k in range(1, max(self.drafted, default=0) + 1):
-            tried = [a for a, d in zip(self.accepted, self.drafted) if d >= k]
-            rates.append(sum(a >= k for a in tried) / len(tried))
-        return rates
+        return acceptance_by_position(self.drafted, self.accepted)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -115,14 +111,14 @@ class TokenStream:
         stop_ids = set(self.config.stop_token_ids)
         wants_features = self.drafter is not None and self.drafter.feature_layers is not None
         cache = DynamicCache(config=self.model.config)
-        start_time = _now(self.model.device)
+        start_time = wall_clock(self.model.device)
 
         out = self.model(input_ids=self.input_ids, cache=cache, use_cache=True,
                          logits_to_keep=1, output_hidden_states=wants_features)
         token = int(pick_tokens(out.logits[0, -1], sampling, generator))
         if self.drafter is not None:
             self.drafter.begin(self.input_ids, self._features(out) if wants_features else None)
-        self.stats.time_to_first_token = _now(self.model.device) - start_time
+        self.stats.time_to_first_token = wall_clock(self.model.device) - start_time
         yield self._record(Step([token], 0, 0), stop_ids, start_time)
 
         position = self.input_ids.shape[1]  # where `token` goes; the cache holds everything before it
@@ -170,8 +166,17 @@ class TokenStream:
             stats.acceptance_lengths.append(len(tokens))
             stats.drafted.append(step.num_drafted)
             stats.accepted.append(step.num_accepted)
-        stats.total_time = _now(self.model.device) - start_time
+        stats.total_time = wall_clock(self.model.device) - start_time
         return step
+
+
+def acceptance_by_position(drafted: list[int], accepted: list[int]) -> list[float]:
+    """P(draft k accepted | k drafted), k = 1..max drafted, over steps given as (drafted, accepted) counts."""
+    rates = []
+    for k in range(1, max(drafted, default=0) + 1):
+        tried = [a for a, d in zip(accepted, drafted) if d >= k]
+        rates.append(sum(a >= k for a in tried) / len(tried))
+    return rates
 
 
 def speculative_generate(target_model, input_ids, drafter: Drafter | None = None,
@@ -221,7 +226,8 @@ def positions(start: int, length: int, device) -> torch.LongTensor:
     return torch.arange(start, start + length, device=device).unsqueeze(0)
 
 
-def _now(device) -> float:
+def wall_clock(device) -> float:
+    """perf_counter after the device has finished its queued work (so timings include it)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
