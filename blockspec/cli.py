@@ -43,11 +43,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"target model: a local directory, a known name, or a hub name (default: {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=None,
-                        help="the drafter: a DFlash checkpoint directory, or for --method draft a small causal LM "
+                        help="the drafter: a DFlash, EAGLE-3 or MTP checkpoint directory, or for --method draft a small causal LM "
                              "(directory or known name) with the target's tokenizer (default: the shipped DFlash "
                              "drafter for the default target, none for other targets: autoregressive decoding)")
-    parser.add_argument("--method", default=None, choices=["dflash", "draft", "ngram", "ar"],
-                        help="drafting method: dflash, draft (a small draft LM), ngram (prompt lookup, no --draft) "
+    parser.add_argument("--method", default=None, choices=["dflash", "eagle3", "mtp", "draft", "ngram", "ar"],
+                        help="drafting method: dflash, eagle3, mtp, draft (a small draft LM), ngram (prompt lookup, "
+                             "no --draft) "
                              "or ar (no drafter) (default: read from the --draft checkpoint)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
@@ -105,10 +106,19 @@ def add_train_draft_command(commands) -> None:
     data.add_argument("--temperature", type=float, default=0.0, help="sampling temperature when generating")
     data.add_argument("--held-out", type=int, default=4, help="prompts kept out of training for the tau eval")
     draft = parser.add_argument_group("drafter")
-    draft.add_argument("--num-layers", type=int, default=2)
+    draft.add_argument("--method", choices=["dflash", "eagle3", "mtp", "draft"], default="dflash",
+                       help="what to train: dflash, eagle3, mtp, or draft (a small LM made of --num-layers of "
+                            "the target's layers) (default dflash)")
+    draft.add_argument("--num-layers", type=int, default=2, help="draft layers (dflash, draft)")
     draft.add_argument("--block-size", type=int, default=16)
     draft.add_argument("--mask-token-id", type=int, default=None)
     draft.add_argument("--intermediate-size", type=int, default=None)
+    draft.add_argument("--ttt-steps", type=int, default=4,
+                       help="eagle3/mtp: recursion steps unrolled in training (training-time test)")
+    draft.add_argument("--step-decay", type=float, default=None,
+                       help="eagle3/mtp: loss weight decay per step (default 0.8 eagle3, 0.6 mtp)")
+    draft.add_argument("--draft-vocab-size", type=int, default=4096,
+                       help="eagle3/mtp: draft vocabulary, the most frequent response tokens (default 4096)")
     recipe = parser.add_argument_group("recipe (ablation switches)")
     recipe.add_argument("--fixed-blocks", dest="random_anchors", action="store_false",
                         help="consecutive blocks instead of random anchors")
@@ -168,8 +178,8 @@ def load_models(args):
         from blockspec.demo import default_draft_path
 
         args.draft = str(default_draft_path())
-    if method in ("dflash", "draft") and args.draft is None:
-        what = "DIR" if method == "dflash" else "MODEL (a causal LM directory or a known name)"
+    if method in ("dflash", "eagle3", "mtp", "draft") and args.draft is None:
+        what = "MODEL (a causal LM directory or a known name)" if method == "draft" else "DIR"
         raise BlockspecError(f"--method {method} needs --draft {what}")
     autoregressive = method == "ar" or (method is None and args.draft is None)
     if not autoregressive and method is None:
@@ -194,7 +204,7 @@ def run_generate(args) -> int:
             print(chunk.text, end="", flush=True)
     result = stream.result
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({"method": "ar" if drafter is None else drafter.name, **result.to_dict()}))
     else:
         stats = result.stats
         print(f"\n[{'AR' if drafter is None else drafter.name}] {stats.new_tokens} tokens, "

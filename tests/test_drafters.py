@@ -256,9 +256,11 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize("method,draft,options,message", [
-    ("eagle", None, {}, "unknown drafting method 'eagle'; choose one of dflash, draft, ngram"),
+    ("eagle", None, {}, "unknown drafting method 'eagle'; choose one of dflash, eagle3, mtp, draft, ngram"),
     ("ar", None, {}, "'ar' decodes without a drafter"),
     ("dflash", None, {}, "the dflash method needs a draft: a DFlash checkpoint directory"),
+    ("eagle3", None, {}, "the eagle3 method needs a draft: an EAGLE-3 checkpoint directory"),
+    ("mtp", "/no/such/dir", {}, "/no/such/dir does not exist"),
     ("draft", None, {}, "the draft method needs a draft: a causal LM directory or a known model name"),
     ("ngram", "some/dir", {}, "takes no draft model"),
     ("ngram", None, {"window": 3}, "the ngram method takes no option window: its options are max_ngram"),
@@ -305,6 +307,7 @@ def test_cli_generate_with_a_draft_model(tiny_target_dir, tiny_lm_draft_dir, cap
 @pytest.mark.parametrize("args,message", [
     (["--method", "ngram", "--draft", "x"], "--method ngram drafts from the prompt and takes no --draft"),
     (["--method", "draft"], "--method draft needs --draft MODEL"),
+    (["--method", "mtp"], "--method mtp needs --draft DIR"),
 ])
 def test_cli_method_errors(tiny_target_dir, args, message, capsys):
     assert main(["generate", "--target", str(tiny_target_dir), *args, "hello"]) == 2

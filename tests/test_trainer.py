@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import CORPUS, make_tokenizer, make_causal_lm
+from tiny_models import make_tokenizer
 
 from blockspec.models.dflash import load_dflash_model
 from blockspec.training import trainer as trainer_module
 from blockspec.training.anchors import build_blocks, loss_weights
 from blockspec.training.data import TrainingSample
-from blockspec.training.pipeline import DataConfig, prepare_samples
 from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pick_mask_token
 
 
@@ -66,53 +65,11 @@ def test_mask_token_is_a_spare_special_token():
     assert pick_mask_token(tokenizer, len(tokenizer)) == tokenizer.convert_tokens_to_ids("<|mask|>")
 
 
-# --- a tiny target that has learned something, so its outputs are learnable ---------------
-
-@pytest.fixture(scope="module")
-def learned_target(tmp_path_factory):
-    """A tiny Llama trained for a few seconds to continue the corpus sentences."""
-    from blockspec.models.target import Target
-
-    torch.manual_seed(0)
-    tokenizer = make_tokenizer()
-    model = make_causal_lm("llama", vocab_size=len(tokenizer), initializer_range=0.02, num_hidden_layers=2)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": s[:20]}], add_generation_prompt=True,
-                                           return_dict=False) + tokenizer.encode(s) + [tokenizer.eos_token_id]
-             for s in CORPUS[:6]]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(150):
-        for ids in texts:
-            batch = torch.tensor([ids])
-            loss = model(batch, labels=batch).loss
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    directory = tmp_path_factory.mktemp("learned") / "target"
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    prompts = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    rows = [{"prompt": s[:n]} for s in CORPUS[:6] for n in range(6, 26)]
-    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return Target(model, tokenizer, "learned"), directory, prompts
-
-
 def small_config(out, **overrides):
     values = dict(out=str(out), num_layers=1, block_size=8, batch_size=4, lr=3e-3, anchors_per_sequence=6,
                   max_steps=40, save_every=10, progress=False, eval_max_new_tokens=24)
     values.update(overrides)
     return TrainConfig(**values)
-
-
-@pytest.fixture(scope="module")
-def training_data(learned_target, tmp_path_factory):
-    target, _, prompts = learned_target
-    out = tmp_path_factory.mktemp("run")
-    data = DataConfig(files=[str(prompts)], max_new_tokens=24, held_out=4)
-    return prepare_samples(target, data, out, max_length=256)
 
 
 def test_training_lowers_the_loss_and_raises_tau(learned_target, training_data, tmp_path):

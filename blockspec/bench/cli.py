@@ -25,10 +25,11 @@ def add_bench_command(commands) -> None:
     models.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
     models.add_argument("--methods", default=None,
                         help="comma-separated: ar, hf, hf-prompt-lookup, hf-assisted, and the drafters "
-                             "dflash, draft, ngram (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a "
+                             "dflash, eagle3, mtp, draft, ngram (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a "
                              "DFlash drafter is known, plus draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
-                        help="a drafter checkpoint: DIR for dflash, or METHOD=DIR (repeatable; "
+                        help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for eagle3, mtp, draft "
+                             "(repeatable; "
                              "default for the default target: the shipped DFlash drafter)")
     models.add_argument("--assistant", default=None,
                         help="a smaller causal LM with the target's tokenizer (directory or known name), "
@@ -118,7 +119,7 @@ def load_methods(args):
     from transformers.utils import logging as hf_logging
 
     from blockspec.bench.methods import build_methods
-    from blockspec.models import DRAFT_METHODS, build_drafter
+    from blockspec.models import CHECKPOINT_METHODS, DRAFT_METHODS, build_drafter
     from blockspec.models.target import load_target
 
     hf_logging.disable_progress_bar()
@@ -128,14 +129,16 @@ def load_methods(args):
     drafters = {}
     for name in names:
         if name in DRAFT_METHODS:
-            draft = args.assistant if name == "draft" else drafts.get(name)
-            if name == "dflash" and draft is None:
-                raise BlockspecError("the dflash method needs --draft DIR (a DFlash checkpoint) for this target")
+            draft = drafts.get(name) or (args.assistant if name == "draft" else None)
+            if name in CHECKPOINT_METHODS and draft is None:
+                raise BlockspecError(f"the {name} method needs --draft {name}=DIR (its checkpoint) for this target")
             drafters[name] = build_drafter(name, target, draft)
     assistant = None
-    if "hf-assisted" in names:  # the same draft LM as the draft method's, loaded once
-        assistant = drafters["draft"].model if "draft" in drafters else \
-            load_target(args.assistant, device=str(target.device), dtype=target.model.dtype).model
+    if "hf-assisted" in names:  # the draft method's LM when it is the same one, loaded once
+        wanted = args.assistant or drafts["draft"]
+        same = "draft" in drafters and (drafts.get("draft") or args.assistant) == wanted
+        assistant = drafters["draft"].model if same else \
+            load_target(wanted, device=str(target.device), dtype=target.model.dtype).model
     return target, build_methods(names, target, drafters=drafters, assistant=assistant, block_size=args.block_size)
 
 
@@ -143,11 +146,16 @@ def parse_drafts(values: list[str], target: str) -> dict[str, str]:
     """``--draft`` values as {method: directory}; a bare directory is DFlash's."""
     from blockspec.hub import DEFAULT_TARGET
 
+    from blockspec.models import DRAFT_METHODS
+
     drafts = {}
     for value in values:
         method, _, directory = value.rpartition("=") if "=" in value else ("dflash", "", value)
         if not directory:
             raise BlockspecError(f"--draft {value!r}: give DIR or METHOD=DIR")
+        if method not in DRAFT_METHODS or method == "ngram":
+            raise BlockspecError(f"--draft {value!r}: METHOD must be one of "
+                                 f"{', '.join(m for m in DRAFT_METHODS if m != 'ngram')}")
         drafts[method] = directory
     if "dflash" not in drafts and target == DEFAULT_TARGET:
         from blockspec.demo import default_draft_path
@@ -160,15 +168,15 @@ def parse_methods(value: str | None, drafts: dict[str, str], assistant: str | No
     if value is None:
         names = ["ar", "hf", "hf-prompt-lookup", "ngram"]
         names += [m for m in drafts if m not in names]
-        if assistant:
-            names += ["draft", "hf-assisted"]
+        if assistant or "draft" in drafts:
+            names += [m for m in ("draft", "hf-assisted") if m not in names]
     else:
         names = [n.strip() for n in value.split(",") if n.strip()]
     if not names:
         raise BlockspecError("--methods is empty: name at least one method, e.g. ar,dflash")
     if "ar" not in names:
         names.insert(0, "ar")  # the reference every speedup and token check is measured against
-    if ("draft" in names or "hf-assisted" in names) and not assistant:
-        raise BlockspecError("the draft and hf-assisted methods need --assistant MODEL (a smaller LM with the "
-                             "target's tokenizer)")
+    if ("draft" in names or "hf-assisted" in names) and not assistant and "draft" not in drafts:
+        raise BlockspecError("the draft and hf-assisted methods need --assistant MODEL or --draft draft=DIR "
+                             "(a smaller LM with the target's tokenizer)")
     return names

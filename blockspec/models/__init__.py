@@ -9,7 +9,10 @@ from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import read_config
 
 #: Drafting methods; "ar" (no drafter) is the CLI's fourth choice.
-DRAFT_METHODS = ("dflash", "draft", "ngram")
+DRAFT_METHODS = ("dflash", "eagle3", "mtp", "draft", "ngram")
+#: Methods that load a checkpoint of their own kind (draft also takes a known model name).
+CHECKPOINT_METHODS = ("dflash", "eagle3", "mtp")
+_CHECKPOINT_KIND = {"dflash": "a DFlash", "eagle3": "an EAGLE-3", "mtp": "an MTP"}
 METHODS = DRAFT_METHODS
 
 
@@ -22,6 +25,10 @@ def detect_method(draft) -> str:
     architectures = read_config(draft).get("architectures") or []
     if "DFlashDraftModel" in architectures:
         return "dflash"
+    if "LlamaForCausalLMEagle3" in architectures:
+        return "eagle3"
+    if "MTPDraftModel" in architectures:
+        return "mtp"
     if any(name.endswith("ForCausalLM") for name in architectures):
         return "draft"
     raise BlockspecError(
@@ -33,7 +40,7 @@ def detect_method(draft) -> str:
 def build_drafter(method: str, target, draft: str | None = None, **options):
     """A drafter for ``target`` (a ``Target``).
 
-    dflash: ``draft`` is a DFlash checkpoint directory; draft: ``draft`` is a causal LM
+    dflash, eagle3, mtp: ``draft`` is a checkpoint directory of that kind; draft: ``draft`` is a causal LM
     directory or a known model name; ngram: no ``draft`` (prompt lookup). ``options`` go to
     the drafter (e.g. sample_drafts, block_size, max_ngram, min_ngram).
     """
@@ -47,13 +54,17 @@ def build_drafter(method: str, target, draft: str | None = None, **options):
 
         return _call(PromptLookupDrafter, method, **options)
     if draft is None:
-        what = "a DFlash checkpoint directory" if method == "dflash" else \
+        what = f"{_CHECKPOINT_KIND.get(method, method)} checkpoint directory" if method in CHECKPOINT_METHODS else \
             "a causal LM directory or a known model name such as qwen2.5-coder-0.5b-instruct"
         raise BlockspecError(f"the {method} method needs a draft: {what}")
     if method == "dflash":
         from blockspec.models.dflash import load_dflash_drafter
 
         return _call(load_dflash_drafter, method, draft, target.model, **options)
+    if method in ("eagle3", "mtp"):
+        from blockspec.drafters.recursive import load_recursive_drafter
+
+        return _call(load_recursive_drafter, method, draft, target.model, method, **options)
     from blockspec.drafters.draft_model import load_draft_model_drafter
 
     return _call(load_draft_model_drafter, method, draft, target, **options)

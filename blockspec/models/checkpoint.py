@@ -49,6 +49,7 @@ def require_keys(config: dict, keys: list[str], path: str | Path) -> None:
 
 def load_pretrained_strict(model_class, directory: str | Path, **kwargs):
     """``from_pretrained`` that refuses missing weights instead of initialising them randomly."""
+    kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below by name, not raised from deep inside
     try:
         model, info = model_class.from_pretrained(str(directory), output_loading_info=True, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:
@@ -60,10 +61,18 @@ def load_pretrained_strict(model_class, directory: str | Path, **kwargs):
             "the checkpoint is incomplete or was saved for another architecture"
         )
     if info.get("mismatched_keys"):
-        raise CheckpointError(f"{directory} has weights of the wrong shape: {info['mismatched_keys'][:4]}")
+        shown = "; ".join(_describe_mismatch(m) for m in list(info["mismatched_keys"])[:4])
+        raise CheckpointError(f"{directory} has weights of the wrong shape for its config.json: {shown}")
     if info.get("unexpected_keys"):
         warnings.warn(f"{directory}: ignoring unknown weights {sorted(info['unexpected_keys'])[:4]}")
     return model
+
+
+def _describe_mismatch(mismatch) -> str:
+    if isinstance(mismatch, (tuple, list)) and len(mismatch) == 3:
+        key, found, expected = mismatch
+        return f"{key} is {tuple(found)}, expected {tuple(expected)}"
+    return str(mismatch)
 
 
 def save_atomically(save_fn, directory: str | Path) -> Path:

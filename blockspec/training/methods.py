@@ -1,0 +1,326 @@
+"""What differs between drafters in training: the model, its loss, its drafter, its files.
+
+The trainer owns everything else (data, loop, optimizer, DDP, checkpoints, evaluation) and
+calls one ``TrainingMethod``:
+
+- dflash: random anchors, block-sparse mask, decayed cross-entropy over the block;
+- eagle3 / mtp: the recursion unrolled ``ttt_steps`` times (training-time test), each step
+  on its own previous hidden states, loss decayed by step; draft vocabulary = the most
+  frequent response tokens;
+- draft: a small causal LM made of a few of the target's own layers, trained on the
+  target's responses (sequence-level distillation), embeddings and LM head frozen.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.errors import BlockspecError
+
+TRAINABLE_METHODS = ("dflash", "eagle3", "mtp", "draft")
+#: Loss weight of unrolled step k is decay**k (EAGLE-3 uses 0.8; FastMTP decays faster).
+DEFAULT_STEP_DECAY = {"eagle3": 0.8, "mtp": 0.6}
+
+
+@dataclass
+class Batch:
+    indices: list[int]
+    input_ids: torch.LongTensor  # [B, T], right-padded
+    loss_mask: torch.BoolTensor  # [B, T], True on response tokens
+    lengths: torch.LongTensor  # [B]
+    features: torch.Tensor | None  # [B, T, F] when the method reads target features
+
+
+class TrainingMethod(Protocol):
+    name: str
+
+    def build(self, config, target, samples) -> torch.nn.Module:
+        """A fresh trainable model on the target's device (seeded by the trainer)."""
+
+    def load(self, directory) -> torch.nn.Module:
+        """The model of a checkpoint this method wrote (for --resume)."""
+
+    def feature_layers(self, model) -> list[int] | None:
+        """Target layers whose outputs the model reads; None for none."""
+
+    def loss(self, forward, model, batch: Batch, target, config, generator) -> tuple[torch.Tensor, float]:
+        """(loss, accuracy) of one micro-batch; ``forward`` is the (maybe DDP-wrapped) model."""
+
+    def drafter(self, model, target):
+        """A drafter around a copy of the model, for held-out tau."""
+
+    def write(self, model, directory, target) -> None:
+        """Save the model in its public layout into ``directory`` (the trainer makes it atomic)."""
+
+
+def training_method(name: str) -> TrainingMethod:
+    methods = {"dflash": DFlashTraining, "eagle3": RecursiveTraining, "mtp": RecursiveTraining,
+               "draft": DraftModelTraining}
+    if name not in methods:
+        raise BlockspecError(f"cannot train method {name!r}: choose one of {', '.join(TRAINABLE_METHODS)} "
+                             "(ngram needs no training)")
+    return methods[name](name)
+
+
+# ---------------------------------------------------------------------------
+# DFlash
+# ---------------------------------------------------------------------------
+
+class DFlashTraining:
+    def __init__(self, name="dflash"):
+        self.name = name
+
+    def build(self, config, target, samples):
+        from blockspec.models.dflash import DFlashDraftModel, make_dflash_config
+        from blockspec.training.trainer import pick_mask_token
+
+        target_model = target.model
+        vocab = target_model.get_input_embeddings().weight.shape[0]
+        mask_id = config.mask_token_id
+        if mask_id is None:
+            mask_id = pick_mask_token(target.tokenizer, vocab)
+        draft_config = make_dflash_config(
+            target_model.config, num_layers=config.num_layers, block_size=config.block_size,
+            mask_token_id=mask_id, target_layer_ids=config.target_layer_ids,
+            intermediate_size=config.intermediate_size)
+        model = DFlashDraftModel(draft_config)
+        copy_final_norm(model.norm, target_model)
+        return model
+
+    def load(self, directory):
+        from blockspec.models.dflash import load_dflash_model
+
+        return load_dflash_model(directory)
+
+    def feature_layers(self, model):
+        return list(model.target_layer_ids)
+
+    def loss(self, forward, model, batch, target, config, generator):
+        from blockspec.training.anchors import block_accuracy, build_blocks, weighted_block_loss
+
+        blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=config.block_size,
+                              num_anchors=config.anchors_per_sequence, mask_token_id=model.mask_token_id,
+                              gamma=config.loss_gamma, generator=generator, random_anchors=config.random_anchors)
+        device = target.model.device
+        with torch.no_grad():
+            block_embeddings = target.model.get_input_embeddings()(blocks.block_ids.to(device))
+        hidden = forward(block_embeddings, blocks.block_positions.to(device), batch.features.to(device),
+                         blocks.context_positions.to(device), attention_mask=blocks.attention_mask.to(device))
+        logits = target.model.get_output_embeddings()(hidden)
+        labels, weights = blocks.labels.to(device), blocks.weights.to(device)
+        loss, _ = weighted_block_loss(logits, labels, weights)
+        return loss, block_accuracy(logits.detach(), labels, weights)
+
+    def drafter(self, model, target):
+        from blockspec.models.dflash import DFlashDrafter
+
+        return DFlashDrafter(copy.deepcopy(model), target.model)
+
+    def write(self, model, directory, target):
+        model.config.architectures = ["DFlashDraftModel"]
+        model.save_pretrained(directory, safe_serialization=True)
+
+
+# ---------------------------------------------------------------------------
+# EAGLE-3 and MTP
+# ---------------------------------------------------------------------------
+
+class RecursiveTraining:
+    def __init__(self, name: str):
+        self.name = name
+
+    def build(self, config, target, samples):
+        target_model = target.model
+        target_config = target_model.config
+        vocab_size = int(min(config.draft_vocab_size or target_config.vocab_size, target_config.vocab_size))
+        if self.name == "eagle3":
+            from blockspec.models.eagle3 import Eagle3DraftModel, make_eagle3_config
+
+            model = Eagle3DraftModel(make_eagle3_config(
+                target_config, draft_vocab_size=vocab_size, intermediate_size=config.intermediate_size,
+                aux_layer_ids=[i + 1 for i in config.target_layer_ids] if config.target_layer_ids else None,
+                ttt_steps=config.ttt_steps))
+        else:
+            from blockspec.models.mtp import MTPDraftModel, make_mtp_config
+
+            model = MTPDraftModel(make_mtp_config(target_config, draft_vocab_size=vocab_size,
+                                                  intermediate_size=config.intermediate_size,
+                                                  ttt_steps=config.ttt_steps))
+        if vocab_size < target_config.vocab_size:
+            model.set_draft_vocabulary(frequent_tokens(samples, vocab_size, target.stop_token_ids()))
+        if self.name == "eagle3":
+            model.start_head_from_target(target_model)
+        else:
+            model.start_from_target(target_model)
+            model.attach_target(target_model)
+        return model
+
+    def load(self, directory):
+        if self.name == "eagle3":
+            from blockspec.models.eagle3 import load_eagle3_model
+
+            return load_eagle3_model(directory)
+        from blockspec.models.mtp import load_mtp_model
+
+        return load_mtp_model(directory)
+
+    def feature_layers(self, model):
+        return list(model.feature_layers)
+
+    def loss(self, forward, model, batch, target, config, generator):
+        from blockspec.models.recursive import recursion_labels
+
+        if self.name == "mtp" and model.head_weight.numel() == 0:
+            model.attach_target(target.model)
+        device = target.model.device
+        steps = model.ttt_steps
+        with torch.no_grad():
+            embeddings = target.model.get_input_embeddings()(batch.input_ids.to(device))
+        step_logits = forward(embeddings, batch.features.to(device), batch.lengths.to(device), steps)
+        labels = recursion_labels(model, batch.input_ids, batch.loss_mask, batch.lengths, steps)
+        decay = config.step_decay if config.step_decay is not None else DEFAULT_STEP_DECAY[self.name]
+        total, weight_sum, accuracy = 0.0, 0.0, float("nan")
+        for k, (logits, (step_labels, supervised)) in enumerate(zip(step_logits, labels)):
+            supervised = supervised.to(device)
+            if not bool(supervised.any()):
+                total = total + 0.0 * logits.sum()
+                continue
+            chosen, wanted = logits[supervised], step_labels.to(device)[supervised]
+            total = total + decay ** k * F.cross_entropy(chosen.float(), wanted)
+            weight_sum += decay ** k
+            if k == 0:
+                accuracy = (chosen.detach().argmax(-1) == wanted).float().mean().item()
+        return total / max(weight_sum, 1e-8), accuracy
+
+    def drafter(self, model, target):
+        from blockspec.drafters.recursive import RecursiveDrafter
+
+        return RecursiveDrafter(copy.deepcopy(model), target.model, name=self.name)
+
+    def write(self, model, directory, target):
+        model.save_pretrained(directory, safe_serialization=True)
+
+
+def frequent_tokens(samples, count: int, always=()) -> torch.LongTensor:
+    """The ``count`` target ids most frequent in the responses (stop ids always in), sorted."""
+    counts = Counter()
+    for sample in samples:
+        counts.update(sample.input_ids[sample.loss_mask].tolist())
+    chosen = list(dict.fromkeys(list(always) + [token for token, _ in counts.most_common()]))[:count]
+    if len(chosen) < count:  # fewer distinct tokens than asked: prompt tokens, then the lowest ids
+        prompt_counts = Counter()
+        for sample in samples:
+            prompt_counts.update(sample.input_ids[~sample.loss_mask].tolist())
+        seen = set(chosen)
+        extra = [t for t, _ in prompt_counts.most_common() if t not in seen]
+        chosen += extra[: count - len(chosen)]
+        seen.update(chosen)
+        chosen += [t for t in range(count + len(seen)) if t not in seen][: count - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------
+# A draft LM distilled from the target
+# ---------------------------------------------------------------------------
+
+class DraftModelTraining:
+    def __init__(self, name="draft"):
+        self.name = name
+
+    def build(self, config, target, samples):
+        return shrink_target(target.model, config.num_layers)
+
+    def load(self, directory):
+        from transformers import AutoModelForCausalLM
+
+        from blockspec.models.checkpoint import require_weights
+
+        require_weights(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        freeze_embeddings(model)
+        return model
+
+    def feature_layers(self, model):
+        return None
+
+    def loss(self, forward, model, batch, target, config, generator):
+        device = target.model.device
+        ids = batch.input_ids.to(device)
+        width = ids.shape[1]
+        attention = torch.arange(width, device=device)[None, :] < batch.lengths.to(device)[:, None]
+        logits = forward(input_ids=ids, attention_mask=attention.long()).logits
+        supervised = batch.loss_mask.to(device)[:, 1:]  # position i predicts token i + 1
+        if not bool(supervised.any()):
+            return 0.0 * logits.sum(), float("nan")
+        chosen, wanted = logits[:, :-1][supervised].float(), ids[:, 1:][supervised]
+        return F.cross_entropy(chosen, wanted), (chosen.detach().argmax(-1) == wanted).float().mean().item()
+
+    def drafter(self, model, target):
+        from blockspec.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(copy.deepcopy(model), target.model)
+
+    def write(self, model, directory, target):
+        model.save_pretrained(directory, safe_serialization=True)
+        target.tokenizer.save_pretrained(directory)
+        generation = getattr(target.model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(directory)
+
+
+def shrink_target(target_model, num_layers: int):
+    """A causal LM of the target's family built from ``num_layers`` of its layers, evenly spaced.
+
+    The embeddings, final norm and LM head are the target's (frozen in training); the
+    copied layers start where the target's are, so the draft starts as a shallow target.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target_model.config)
+    total = config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise BlockspecError(f"a draft LM needs 1..{total - 1} layers (the target has {total}), got {num_layers}")
+    chosen = [round(i * (total - 1) / max(1, num_layers - 1)) for i in range(num_layers)] if num_layers > 1 else [0]
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in chosen]
+    if hasattr(config, "max_window_layers"):
+        config.max_window_layers = min(config.max_window_layers, num_layers)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    source = target_model.state_dict()
+    renamed = {}
+    for key, value in source.items():
+        parts = key.split(".")
+        if "layers" in parts:
+            at = parts.index("layers")
+            index = int(parts[at + 1])
+            if index not in chosen:
+                continue
+            parts[at + 1] = str(chosen.index(index))
+        renamed[".".join(parts)] = value.detach().float()
+    missing, unexpected = model.load_state_dict(renamed, strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    if missing or unexpected:
+        raise BlockspecError(f"could not copy the target's layers into the draft LM (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+    freeze_embeddings(model)
+    return model
+
+
+def freeze_embeddings(model) -> None:
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.get_output_embeddings().weight.requires_grad_(False)
+
+
+def copy_final_norm(norm, target_model) -> None:
+    """A draft whose hidden states meet the target's LM head starts at the target's output norm."""
+    weight = getattr(getattr(target_model.base_model, "norm", None), "weight", None)
+    if weight is not None and weight.shape == norm.weight.shape:
+        with torch.no_grad():
+            norm.weight.copy_(weight.detach().float())

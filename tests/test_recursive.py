@@ -1,0 +1,195 @@
+"""EAGLE-3 and MTP drafters: lossless, exact sampling, training = inference, checkpoints."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_lossless import MAX_NEW, hf_greedy, prompts
+from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint
+from tiny_models import make_causal_lm
+
+from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.sampling import SamplingConfig
+from blockspec.drafters.recursive import RecursiveDrafter
+from blockspec.errors import CheckpointError, IncompatibleDraftError
+from blockspec.models import build_drafter, detect_method
+from blockspec.models.eagle3 import Eagle3DraftModel, load_eagle3_model, make_eagle3_config
+from blockspec.models.mtp import MTPDraftModel, load_mtp_model, make_mtp_config
+from blockspec.models.target import Target
+
+KINDS = {"eagle3": (Eagle3DraftModel, make_eagle3_config), "mtp": (MTPDraftModel, make_mtp_config)}
+
+
+def make_recursive(kind, target, *, draft_vocab_size=None, seed=1, ttt_steps=3):
+    """A randomly initialised draft; with draft_vocab_size, a random draft vocabulary."""
+    model_class, make_config = KINDS[kind]
+    torch.manual_seed(seed)
+    model = model_class(make_config(target.config, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps))
+    if draft_vocab_size:
+        vocab = target.config.vocab_size
+        model.set_draft_vocabulary(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab_size])
+    if kind == "mtp":
+        model.attach_target(target)
+    return model.to(next(target.parameters()).dtype).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def world(request):
+    target = make_causal_lm(request.param, vocab_size=320).double()
+    return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=30)]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("block_size,draft_vocab", [(2, None), (5, 100), (8, None)])
+def test_greedy_equals_hf_generate(world, kind, block_size, draft_vocab):
+    target, references = world
+    drafter = RecursiveDrafter(make_recursive(kind, target, draft_vocab_size=draft_vocab), target, name=kind)
+    for ids, expected in references:
+        stream = speculative_generate(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW,
+                                                                             block_size=block_size))
+        list(stream)
+        assert stream.token_ids == expected
+        assert all(1 <= n <= block_size for n in stream.stats.acceptance_lengths)
+        assert drafter.fed + drafter.pending.shape[1] == len(drafter.tokens)  # one cache row per position
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("draft_vocab", [None, 150])
+def test_training_unroll_equals_inference_recursion(kind, draft_vocab):
+    """Step k of the training-time-test unroll at row i is the drafter's (k+1)-th draft after i."""
+    target = make_causal_lm("llama", vocab_size=320, seed=2).double()
+    model = make_recursive(kind, target, draft_vocab_size=draft_vocab, ttt_steps=4)
+    drafter = RecursiveDrafter(model, target, name=kind)
+    prompt = torch.randint(4, 320, (1, 9), generator=torch.Generator().manual_seed(3))
+    last_token = 17
+    with torch.no_grad():
+        hidden_states = target(prompt, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden_states[i + 1] for i in model.feature_layers], dim=-1)
+    drafter.begin(prompt, features)
+    sampling = SamplingConfig(temperature=1.0)
+    proposal = drafter.propose(last_token, 4, sampling, torch.Generator().manual_seed(0))
+    sequence = torch.cat([prompt[0], torch.tensor([last_token]), proposal.tokens]).unsqueeze(0)
+    row = prompt.shape[1] - 1
+    padded = torch.nn.functional.pad(features, (0, 0, 0, sequence.shape[1] - features.shape[1]))
+    with torch.no_grad():
+        step_logits = model(target.get_input_embeddings()(sequence), padded,
+                            torch.tensor([sequence.shape[1]]), num_steps=4)
+    for k, logits in enumerate(step_logits):
+        full = drafter._full_vocabulary(logits[0, row].float())
+        assert torch.allclose(torch.softmax(full, -1), proposal.probs[k], atol=1e-6), k
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,sampling,draft_vocab", [
+    ("eagle3", SamplingConfig(temperature=1.0), 6),  # a draft vocabulary smaller than the target's
+    ("mtp", SamplingConfig(temperature=0.7, top_k=5, top_p=0.9), None),
+])
+def test_speculative_sampling_matches_target_sampling(small_target, kind, sampling, draft_vocab):
+    model = make_recursive(kind, small_target, draft_vocab_size=draft_vocab, seed=4)
+    with torch.no_grad():  # sharper random drafts, so that some are accepted and some rejected
+        for parameter in model.parameters():
+            parameter.mul_(3.0)
+    drafter = RecursiveDrafter(model, small_target, name=kind)
+    probs = {k: v for k, v in exact_joint(small_target, sampling).items() if v > 0}
+    counts = sampled_joint(small_target, drafter, sampling, SAMPLES)
+    assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
+
+
+def test_drafts_outside_the_draft_vocabulary_have_no_mass(small_target):
+    drafter = RecursiveDrafter(make_recursive("eagle3", small_target, draft_vocab_size=5), small_target, name="eagle3")
+    features = small_target(PROMPT, output_hidden_states=True).hidden_states
+    drafter.begin(PROMPT, torch.cat([features[i + 1] for i in drafter.feature_layers], -1))
+    proposal = drafter.propose(4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    outside = ~drafter.model.t2d
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(3))
+    assert (proposal.probs[:, outside] == 0).all() and drafter.model.t2d[proposal.tokens].all()
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path):
+    target = make_causal_lm("llama", vocab_size=320, seed=5)
+    directories = {}
+    for kind in KINDS:
+        model = make_recursive(kind, target, draft_vocab_size=120)
+        model.save_pretrained(tmp_path / kind)
+        directories[kind] = tmp_path / kind
+    return target, directories
+
+
+def test_eagle3_checkpoints_use_the_public_keys(saved):
+    _, directories = saved
+    config = json.loads((directories["eagle3"] / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 120 and config["target_hidden_size"] == 64
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
+    keys = set(load_file(directories["eagle3"] / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= keys
+    assert load_file(directories["eagle3"] / "model.safetensors")["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_save_and_load_round_trip(saved, kind):
+    target, directories = saved
+    loader = load_eagle3_model if kind == "eagle3" else load_mtp_model
+    loaded = loader(directories[kind])
+    original = make_recursive(kind, target, draft_vocab_size=120)
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert detect_method(directories[kind]) == kind
+    drafter = build_drafter(kind, Target(target, None, "tiny"), str(directories[kind]), block_size=3)
+    assert drafter.name == kind and drafter.default_block_size == 3
+
+
+def rewrite_weights(directory, change):
+    tensors = load_file(directory / "model.safetensors")
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def rewrite_config(directory, change):
+    config = json.loads((directory / "config.json").read_text())
+    change(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("kind,break_it,message", [
+    ("eagle3", lambda d: rewrite_weights(d, lambda t: t.__setitem__("d2t", t["d2t"].flip(0))), "d2t and t2d"),
+    ("mtp", lambda d: rewrite_weights(d, lambda t: t["t2d"].__setitem__(0, ~t["t2d"][0])), "d2t and t2d"),
+    ("eagle3", lambda d: rewrite_weights(d, lambda t: t.pop("fc.weight")), "fc.weight"),
+    ("mtp", lambda d: rewrite_weights(d, lambda t: t.__setitem__("norm.weight", torch.ones(3))), "norm.weight"),
+    ("eagle3", lambda d: rewrite_config(d, lambda c: c.__setitem__("architectures", ["LlamaForCausalLM"])),
+     "not an EAGLE-3 draft"),
+    ("mtp", lambda d: rewrite_config(d, lambda c: c.pop("num_target_layers")), "num_target_layers"),
+    ("eagle3", lambda d: rewrite_config(d, lambda c: (c.pop("eagle_config"), c.pop("num_target_layers"))),
+     "which target layers"),
+    ("mtp", lambda d: (d / "model.safetensors").unlink(), "weights"),
+])
+def test_bad_checkpoints_give_clear_errors(saved, kind, break_it, message):
+    _, directories = saved
+    break_it(directories[kind])
+    loader = load_eagle3_model if kind == "eagle3" else load_mtp_model
+    with pytest.raises(CheckpointError, match=message):
+        loader(directories[kind])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("other,message", [
+    (dict(vocab_size=400), "vocabulary 320"),
+    (dict(hidden_size=96), "hidden size 64"),
+    (dict(num_hidden_layers=6), "4 layers"),
+])
+def test_a_draft_for_another_target_is_refused(saved, kind, other, message):
+    _, directories = saved
+    other_target = make_causal_lm("llama", **{"vocab_size": 320, **other})
+    with pytest.raises(IncompatibleDraftError, match=message):
+        build_drafter(kind, Target(other_target, None, "other"), str(directories[kind]))

@@ -1,0 +1,124 @@
+"""EAGLE-3, MTP and the draft LM trained by the one trainer: they learn, save, load and stay lossless."""
+
+import copy
+
+import pytest
+import torch
+from test_trainer import small_config
+
+from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.models import build_drafter, detect_method
+from blockspec.models.target import Target
+from blockspec.training.methods import frequent_tokens
+from blockspec.training.trainer import Trainer, latest_checkpoint
+
+METHODS = ["eagle3", "mtp", "draft"]
+OPTIONS = {"eagle3": dict(draft_vocab_size=200, ttt_steps=3), "mtp": dict(draft_vocab_size=200, ttt_steps=3),
+           "draft": dict(num_layers=1)}
+
+
+def method_config(out, method, **overrides):
+    return small_config(out, method=method, **{**OPTIONS[method], **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained(learned_target, training_data, tmp_path_factory):
+    """Each method trained for a few seconds: (untrained tau, trained tau, losses, output directory)."""
+    target, _, _ = learned_target
+    samples, eval_prompts = training_data
+    results = {}
+    for method in METHODS:
+        out = tmp_path_factory.mktemp(method)
+        trainer = Trainer(method_config(out, method, max_steps=60, lr=3e-3), target, samples, eval_prompts)
+        untrained = trainer.evaluate()["tau"]
+        state = trainer.run()
+        results[method] = (untrained, trainer.evaluate()["tau"], state.losses, out)
+    return results
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_training_lowers_the_loss_and_raises_tau(trained, method):
+    untrained, tau, losses, _ = trained[method]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    assert tau > untrained + 0.5, (untrained, tau)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_saved_draft_loads_by_its_method_and_keeps_tau(trained, learned_target, training_data, method):
+    target, _, _ = learned_target
+    _, tau, _, out = trained[method]
+    assert detect_method(out / "draft") == method
+    drafter = build_drafter(method, target, str(out / "draft"))
+    _, eval_prompts = training_data
+    lengths = []
+    for ids in eval_prompts:
+        stream = speculative_generate(target.model, ids, drafter, GenerationConfig(max_new_tokens=24))
+        list(stream)
+        lengths += stream.stats.acceptance_lengths
+    assert sum(lengths) / len(lengths) == pytest.approx(tau, abs=0.3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_trained_drafters_are_lossless(trained, learned_target, training_data, method, block_size):
+    target, _, _ = learned_target
+    samples, eval_prompts = training_data
+    # float64: block verification and one-token decoding cannot disagree by rounding
+    reference = Target(copy.deepcopy(target.model).double(), target.tokenizer, "learned-fp64")
+    drafter = build_drafter(method, reference, str(trained[method][3] / "draft"), block_size=block_size)
+    if method == "draft":
+        drafter.model.double()
+    prompts = list(eval_prompts) + [s.input_ids[~s.loss_mask].unsqueeze(0) for s in samples[:16]]
+    accepted = 0
+    for ids in prompts:
+        plain = speculative_generate(reference.model, ids, None, GenerationConfig(max_new_tokens=24))
+        list(plain)
+        stream = speculative_generate(reference.model, ids, drafter,
+                                      GenerationConfig(max_new_tokens=24, block_size=block_size))
+        list(stream)
+        assert stream.token_ids == plain.token_ids
+        assert all(1 <= n <= block_size for n in stream.stats.acceptance_lengths)
+        accepted += sum(stream.stats.accepted)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft"])
+def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, training_data, tmp_path, method):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    whole = Trainer(method_config(tmp_path / "whole", method, max_steps=8, save_every=4), target, samples).run()
+    Trainer(method_config(tmp_path / "cut", method, max_steps=8, save_every=4), target, samples).run(until_step=4)
+    assert latest_checkpoint(tmp_path / "cut").name == "step-0000004"
+    resumed = Trainer(method_config(tmp_path / "cut", method, max_steps=8, save_every=4), target, samples,
+                      resume=True).run()
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-5, abs=1e-6)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_response_tokens():
+    from blockspec.training.data import TrainingSample
+
+    ids = torch.tensor([9, 9, 9, 5, 5, 7, 7, 7, 7, 3])
+    mask = torch.tensor([True] * 3 + [False] * 2 + [True] * 5)
+    sample = TrainingSample(ids, mask)
+    assert frequent_tokens([sample], 2).tolist() == [7, 9]
+    assert frequent_tokens([sample], 3, always=[1]).tolist() == [1, 7, 9]
+    assert frequent_tokens([sample], 5).tolist() == [0, 3, 5, 7, 9]  # then prompt tokens, then low ids
+
+
+def test_cli_trains_and_generates_with_each_method(learned_target, tmp_path, capsys):
+    import json
+
+    from blockspec.cli import main
+
+    _, target_dir, prompts = learned_target
+    for method in ("eagle3", "mtp", "draft"):
+        out = tmp_path / method
+        code = main(["train-draft", "--method", method, "--target", str(target_dir), "--data", str(prompts),
+                     "--out", str(out), "--max-steps", "3", "--batch-size", "2", "--max-new-tokens", "8",
+                     "--num-layers", "1", "--draft-vocab-size", "100", "--ttt-steps", "2"])
+        assert code == 0
+        capsys.readouterr()
+        assert main(["generate", "--target", str(target_dir), "--draft", str(out / "draft"), "--json",
+                     "--max-new-tokens", "8", "The quick"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["method"] == method and 1 <= len(result["token_ids"]) <= 8
