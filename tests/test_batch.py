@@ -1,0 +1,162 @@
+"""Batched decoding: every row equals the same sequence decoded alone, for every method."""
+
+import pytest
+import torch
+from conftest import make_dflash
+from test_drafters import perturbed_copy, repetitive_prompts
+from test_lossless import prompts
+from test_recursive import make_recursive
+from tiny_models import make_causal_lm
+
+from blockspec.decoding.batch import BatchEngine, batch_generate, drafter_factory
+from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter
+from blockspec.drafters.recursive import RecursiveDrafter
+from blockspec.errors import BlockspecError
+from blockspec.models.dflash import DFlashDrafter
+
+NUM_PROMPTS = 8
+METHODS = ["ar", "dflash", "eagle3", "mtp", "ngram", "draft"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request):
+    # float64 so that a batched forward and a single-row one cannot disagree by rounding.
+    return make_causal_lm(request.param, vocab_size=320).double()
+
+
+def make_prototype(method, target):
+    if method == "ar":
+        return None
+    if method == "dflash":
+        return DFlashDrafter(make_dflash(target, block_size=8), target)
+    if method in ("eagle3", "mtp"):
+        return RecursiveDrafter(make_recursive(method, target, draft_vocab_size=200), target, name=method)
+    if method == "ngram":
+        return PromptLookupDrafter(block_size=6)
+    return DraftModelDrafter(perturbed_copy(target), target, block_size=4)
+
+
+def mixed_prompts():
+    """Different lengths (1 to 39 tokens), half of them repetitive so that ngram drafts."""
+    half = NUM_PROMPTS // 2
+    return prompts(320, count=half, seed=11) + repetitive_prompts(320, NUM_PROMPTS - half, seed=12)
+
+
+def alone(target, ids, drafter, config):
+    stream = speculative_generate(target, ids, drafter, config)
+    list(stream)
+    return stream
+
+
+def varied_configs(method, target, cases, **sampling):
+    """Different max_new_tokens per row, and a stop id that occurs mid-output in some rows."""
+    configs = []
+    for i, ids in enumerate(cases):
+        free_run = alone(target, ids, None, GenerationConfig(max_new_tokens=20, **sampling)).token_ids
+        stop = (free_run[len(free_run) // 2],) if i % 3 == 0 else ()
+        configs.append(GenerationConfig(max_new_tokens=6 + 3 * i, stop_token_ids=stop, **sampling))
+    return configs
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_greedy_rows_equal_rows_decoded_alone(target, method):
+    prototype = make_prototype(method, target)
+    cases = mixed_prompts()
+    configs = varied_configs(method, target, cases)
+    results = batch_generate(target, cases, drafter_factory(prototype), configs, max_batch_size=4)
+    reasons = set()
+    for ids, config, result in zip(cases, configs, results):
+        expected = alone(target, ids, prototype, config)
+        assert result.token_ids == expected.token_ids
+        assert result.stats.acceptance_lengths == expected.stats.acceptance_lengths
+        assert result.stats.finish_reason == expected.stats.finish_reason
+        reasons.add(result.stats.finish_reason)
+    assert reasons == {"stop", "length"}
+    if method in ("ngram", "draft"):  # drafters that agree with the target, so rows accept different lengths
+        assert any(n > 1 for r in results for n in r.stats.acceptance_lengths), "no draft was ever accepted"
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash"])
+def test_rows_join_mid_run(target, method):
+    prototype = make_prototype(method, target)
+    cases = mixed_prompts()
+    config = GenerationConfig(max_new_tokens=16)
+    engine = BatchEngine(target, drafter_factory(prototype), max_batch_size=8)
+    rows = [engine.add(cases[0], config), engine.add(cases[1], config)]
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps in (2, 3, 5) and len(rows) < len(cases):
+            rows += [engine.add(cases[len(rows)], config), engine.add(cases[len(rows) + 1], config)]
+    assert len(rows) == len(cases)
+    for ids, row in zip(cases, rows):
+        assert row.token_ids == alone(target, ids, prototype, config).token_ids
+    assert max(engine.batch_sizes) > 2
+
+
+@pytest.mark.parametrize("method", ["dflash", "draft"])
+def test_sampled_rows_are_reproducible_and_match_the_row_alone(target, method):
+    prototype = make_prototype(method, target)
+    cases = mixed_prompts()[:6]
+    configs = [GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=100 + i)
+               for i in range(len(cases))]
+    first = batch_generate(target, cases, drafter_factory(prototype), configs, max_batch_size=3)
+    second = batch_generate(target, list(reversed(cases)), drafter_factory(prototype), list(reversed(configs)),
+                            max_batch_size=6)
+    for ids, config, a, b in zip(cases, configs, first, reversed(second)):
+        assert a.token_ids == b.token_ids
+        assert a.token_ids == alone(target, ids, prototype, config).token_ids
+
+
+def test_cancelled_row_leaves_and_the_others_continue(target):
+    cases = mixed_prompts()[:3]
+    config = GenerationConfig(max_new_tokens=12)
+    engine = BatchEngine(target, None, max_batch_size=4)
+    rows = [engine.add(ids, config) for ids in cases]
+    engine.step()
+    engine.cancel(rows[1])
+    while engine.has_work:
+        engine.step()
+    assert rows[1].stats.finish_reason == "cancelled" and len(rows[1].token_ids) < 12
+    for i in (0, 2):
+        assert rows[i].token_ids == alone(target, cases[i], None, config).token_ids
+
+
+def test_holes_are_compacted_away(target):
+    """Rows accepting different lengths leave masked holes; the cache stays near the longest row."""
+    prototype = make_prototype("ngram", target)
+    cases = mixed_prompts()
+    engine = BatchEngine(target, drafter_factory(prototype), max_batch_size=len(cases))
+    rows = [engine.add(ids, GenerationConfig(max_new_tokens=30)) for ids in cases]
+    while engine.has_work:
+        engine.step()
+        if engine.rows:
+            longest = max(row.position for row in engine.rows)
+            assert engine.cache.length <= 2 * longest + 8
+            assert engine.cache.valid.sum(dim=1).tolist() == [row.position for row in engine.rows]
+    for ids, row in zip(cases, rows):
+        assert row.token_ids == alone(target, ids, prototype, GenerationConfig(max_new_tokens=30)).token_ids
+
+
+def test_fp32_batch_matches_rows_alone():
+    target = make_causal_lm("qwen3", vocab_size=320, seed=3)
+    prototype = DFlashDrafter(make_dflash(target), target)
+    cases = prompts(320, count=4, seed=5)
+    config = GenerationConfig(max_new_tokens=16)
+    results = batch_generate(target, cases, drafter_factory(prototype), config, max_batch_size=4)
+    for ids, result in zip(cases, results):
+        assert result.token_ids == alone(target, ids, prototype, config).token_ids
+
+
+def test_bad_input_is_refused_clearly(target):
+    with pytest.raises(BlockspecError, match="max_batch_size must be >= 1"):
+        BatchEngine(target, None, max_batch_size=0)
+    engine = BatchEngine(target, None)
+    with pytest.raises(BlockspecError, match="prompt is empty"):
+        engine.add(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(BlockspecError, match="needs a drafter"):
+        engine.add([5, 6], GenerationConfig(block_size=4))
+    with pytest.raises(BlockspecError, match="one each"):
+        batch_generate(target, [[5, 6]], None, [GenerationConfig()] * 2)
