@@ -31,7 +31,7 @@ from transformers import DynamicCache
 
 from blockspec.decoding.drafter import Drafter, Proposal
 from blockspec.decoding.generate import (GenerationConfig, GenerationStats, Step, _as_batch_of_one, _fit_to_context,
-                                         resolve_block_size, wall_clock)
+                                         record_step, resolve_block_size, wall_clock)
 from blockspec.decoding.sampling import pick_tokens
 from blockspec.decoding.verifier import verify
 from blockspec.errors import BlockspecError
@@ -87,23 +87,8 @@ class BatchRow:
         return picked if length is None else picked[:, :length]
 
     def record(self, step: Step, now: float, decode: bool) -> Step:
-        """Cut the step at a stop token or the token limit, and account for it."""
-        room = self.max_new_tokens - len(self.token_ids)
-        tokens = step.tokens[:room]
-        stop_ids = self.config.stop_token_ids
-        stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-        if stop_at is not None:
-            tokens = tokens[: stop_at + 1]
-            self.stats.finish_reason = "stop"
-        elif len(self.token_ids) + len(tokens) >= self.max_new_tokens:
-            self.stats.finish_reason = "length" if self.max_new_tokens == self.config.max_new_tokens else "context"
-        step.tokens = tokens
-        self.token_ids.extend(tokens)
-        self.stats.new_tokens = len(self.token_ids)
-        if decode:
-            self.stats.acceptance_lengths.append(len(tokens))
-            self.stats.drafted.append(step.num_drafted)
-            self.stats.accepted.append(step.num_accepted)
+        record_step(step, self.token_ids, self.stats, set(self.config.stop_token_ids), self.max_new_tokens,
+                    self.max_new_tokens < self.config.max_new_tokens, decode)
         self.stats.total_time = now - self.submitted_at
         return step
 

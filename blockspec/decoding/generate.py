@@ -149,25 +149,34 @@ class TokenStream:
         return torch.cat([out.hidden_states[i + 1] for i in self.drafter.feature_layers], dim=-1)
 
     def _record(self, step: Step, stop_ids: set[int], start_time: float, decode: bool = False) -> Step:
-        """Cut the step at a stop token or the token limit, and account for it."""
-        room = self.max_new_tokens - len(self.token_ids)
-        tokens = step.tokens[:room]
-        stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-        if stop_at is not None:
-            tokens = tokens[: stop_at + 1]
-            self.stats.finish_reason = "stop"
-        elif len(self.token_ids) + len(tokens) >= self.max_new_tokens:
-            self.stats.finish_reason = "length" if self.max_new_tokens == self.config.max_new_tokens else "context"
-        step.tokens = tokens
-        self.token_ids.extend(tokens)
-        stats = self.stats
-        stats.new_tokens = len(self.token_ids)
-        if decode:
-            stats.acceptance_lengths.append(len(tokens))
-            stats.drafted.append(step.num_drafted)
-            stats.accepted.append(step.num_accepted)
-        stats.total_time = wall_clock(self.model.device) - start_time
+        record_step(step, self.token_ids, self.stats, stop_ids, self.max_new_tokens,
+                    self.max_new_tokens < self.config.max_new_tokens, decode)
+        self.stats.total_time = wall_clock(self.model.device) - start_time
         return step
+
+
+def record_step(step: Step, token_ids: list[int], stats: GenerationStats, stop_ids, max_new_tokens: int,
+                context_bound: bool, decode: bool) -> Step:
+    """Cut the step at a stop token or the token limit, append it to ``token_ids``, account for it.
+
+    ``context_bound``: ``max_new_tokens`` was lowered to fit the context, so reaching it is
+    finish reason "context", not "length".
+    """
+    tokens = step.tokens[: max_new_tokens - len(token_ids)]
+    stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    if stop_at is not None:
+        tokens = tokens[: stop_at + 1]
+        stats.finish_reason = "stop"
+    elif len(token_ids) + len(tokens) >= max_new_tokens:
+        stats.finish_reason = "context" if context_bound else "length"
+    step.tokens = tokens
+    token_ids.extend(tokens)
+    stats.new_tokens = len(token_ids)
+    if decode:
+        stats.acceptance_lengths.append(len(tokens))
+        stats.drafted.append(step.num_drafted)
+        stats.accepted.append(step.num_accepted)
+    return step
 
 
 def acceptance_by_position(drafted: list[int], accepted: list[int]) -> list[float]:

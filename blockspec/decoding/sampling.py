@@ -65,6 +65,14 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def pick_draft(logits: torch.Tensor, sampling: SamplingConfig, generator, sampled: bool):
+    """One draft token from logits [V]: sampled from q (returned for the verifier) or the argmax (q None)."""
+    if not sampled:
+        return int(logits.argmax()), None
+    q = sampling_probs(logits, sampling)
+    return int(sample_from(q, generator)), q
+
+
 def pick_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator=None) -> torch.Tensor:
     """Argmax when greedy, else a sample from the processed distribution."""
     if sampling.greedy:

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from blockspec.decoding.drafter import Proposal
 from blockspec.decoding.generate import positions
-from blockspec.decoding.sampling import sample_from, sampling_probs
+from blockspec.decoding.sampling import pick_draft
 from blockspec.errors import BlockspecError, IncompatibleDraftError
 
 # Each draft token is one sequential forward of the draft model, so long chains cost
@@ -60,14 +60,9 @@ class DraftModelDrafter:
         feed = self.tokens[len(self.cached_tokens):] + [last_token]
         drafts, probs = [], []
         for _ in range(num_tokens):
-            logits = self._next_logits(feed)
-            if sampled:
-                q = sampling_probs(logits, sampling)
-                probs.append(q)
-                token = int(sample_from(q, generator))
-            else:
-                token = int(logits.argmax())
+            token, q = pick_draft(self._next_logits(feed), sampling, generator, sampled)
             drafts.append(token)
+            probs.append(q)
             feed = [token]
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
         return Proposal(tokens, torch.stack(probs) if sampled else None)

@@ -14,7 +14,7 @@ import torch
 
 from blockspec.decoding.drafter import Proposal
 from blockspec.decoding.generate import positions
-from blockspec.decoding.sampling import sample_from, sampling_probs
+from blockspec.decoding.sampling import pick_draft
 from blockspec.errors import IncompatibleDraftError
 from blockspec.models.recursive import RecursiveDraftModel
 
@@ -66,13 +66,9 @@ class RecursiveDrafter:
                 hidden, new = self.model.step(self._embed([token]), hidden, positions(position, 1, self.device), past)
                 past = _append(past, new)
             logits = self._full_vocabulary(self.model.head_logits(hidden[0, -1]).float())
-            if sampled:
-                q = sampling_probs(logits, sampling)
-                probs.append(q)
-                token = int(sample_from(q, generator))
-            else:
-                token = int(logits.argmax())
+            token, q = pick_draft(logits, sampling, generator, sampled)
             drafts.append(token)
+            probs.append(q)
             position += 1
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
         return Proposal(tokens, torch.stack(probs) if sampled else None)

@@ -80,17 +80,13 @@ class LlamaForCausalLMEagle3(RecursiveDraftModel, LlamaPreTrainedModel):
         LlamaPreTrainedModel.__init__(self, config)
         hidden = config.hidden_size
         target_hidden = getattr(config, "target_hidden_size", None) or hidden
-        draft_vocab = getattr(config, "draft_vocab_size", None) or config.vocab_size
         self.aux_layer_ids = [int(i) for i in aux_layer_ids(config)]
         self.feature_layers = [i - 1 for i in self.aux_layer_ids]
         self.ttt_steps = int(((getattr(config, "eagle_config", None) or {}).get("ttt_steps")) or 4)
         self.midlayer = Eagle3DecoderLayer(config)
         self.fc = nn.Linear(len(self.aux_layer_ids) * target_hidden, hidden, bias=False)
         self.norm = rms_norm(config)
-        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if draft_vocab == config.vocab_size
-                             else torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.lm_head = nn.Linear(hidden, self.register_draft_vocabulary(config), bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.post_init()
 

@@ -70,7 +70,6 @@ class MTPDraftModel(RecursiveDraftModel, LlamaPreTrainedModel):
 
     def __init__(self, config: LlamaConfig):
         LlamaPreTrainedModel.__init__(self, config)
-        draft_vocab = getattr(config, "draft_vocab_size", None) or config.vocab_size
         settings = getattr(config, "mtp_config", None) or {}
         layers = getattr(config, "num_target_layers", None)
         feature_layer = settings.get("feature_layer", None if layers is None else layers - 1)
@@ -80,9 +79,7 @@ class MTPDraftModel(RecursiveDraftModel, LlamaPreTrainedModel):
         self.ttt_steps = int(settings.get("ttt_steps") or 4)
         self.mtp_block = MTPModule(config)
         self.norm = rms_norm(config)
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if draft_vocab == config.vocab_size
-                             else torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.register_draft_vocabulary(config)
         # the target's LM head rows of the draft vocabulary: shared, frozen, not saved
         self.register_buffer("head_weight", torch.zeros(0), persistent=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)

@@ -80,6 +80,13 @@ class RecursiveDraftModel(nn.Module):
 
     # --- vocabulary compression ---------------------------------------------------------
 
+    def register_draft_vocabulary(self, config) -> int:
+        """The d2t / t2d buffers (the identity map when the draft vocabulary is the target's); its size."""
+        size = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
+        self.register_buffer("t2d", torch.full((config.vocab_size,), size == config.vocab_size, dtype=torch.bool))
+        return size
+
     @property
     def draft_to_target(self) -> torch.LongTensor:
         """Target id of each draft id, [K]."""
