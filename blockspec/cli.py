@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_draft_command(commands)
     add_demo_command(commands)
     add_bench_command(commands)
+    add_serve_command(commands)
+    add_loadtest_command(commands)
     return parser
 
 
@@ -228,6 +230,62 @@ def run_models_prepare(args) -> int:
 
     print(hub.prepare(args.name, force=args.force))
     return 0
+
+
+def add_serve_command(commands) -> None:
+    parser = commands.add_parser("serve", help="serve the target over an OpenAI-compatible HTTP API")
+    add_model_options(parser)
+    parser.add_argument("--draft-sampling", choices=["sample", "greedy"], default="sample",
+                        help="at temperature > 0: sample drafts (default) or draft greedily")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests in flight (waiting + decoding) before new ones get 503 (default 64)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from blockspec.serve.app import create_app
+
+    if not 0 < args.port < 65536:
+        raise BlockspecError(f"--port must be 1..65535, got {args.port}")
+    target, drafter = load_models(args)
+    app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                     api_key=args.api_key)
+    print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}) at "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_loadtest_command(commands) -> None:
+    parser = commands.add_parser("loadtest",
+                                 help="measure a local `blockspec serve` with concurrent streaming requests")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback addresses only)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    parser.add_argument("--requests", type=int, default=32, help="requests in all (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt", default=None, help="the user message of every request")
+    parser.add_argument("--model", default=None, help="model id to request (default: the one the server lists)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--timeout", type=float, default=300.0, help="time limit for the whole run in seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run_loadtest)
+
+
+def run_loadtest(args) -> int:
+    from blockspec.serve.loadtest import DEFAULT_PROMPT, print_report, run_loadtest as load
+
+    report = load(args.url, concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+                  prompt=args.prompt or DEFAULT_PROMPT, timeout=args.timeout, model=args.model, api_key=args.api_key)
+    print_report(report, args.json)
+    return 0 if report.errors == 0 else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP server: completions, chat completions, models, health, metrics.
+
+``create_app`` wires one loaded target (and optional drafter) to one ``ServingEngine``;
+the engine thread starts and stops with the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blockspec.decoding.generate import GenerationConfig
+from blockspec.errors import BlockspecError
+from blockspec.models.target import Target
+from blockspec.serve.engine import Generation, PreparedRequest, ServingEngine
+from blockspec.serve.metrics import RequestCounter, ServerMetrics
+from blockspec.serve.schemas import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                     bad_request)
+
+#: Completion length when a chat request gives none and the model states no context.
+_DEFAULT_CHAT_TOKENS = 4096
+
+
+def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
+               api_key: str | None = None) -> FastAPI:
+    """An app serving ``target`` under its name; ``api_key`` turns on Bearer authentication."""
+    if max_queue < 1:
+        raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
+    metrics = ServerMetrics()
+    engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
+                           metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(engine.stop)
+
+    app = FastAPI(title="blockspec", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.target = target
+    app.state.created = int(time.time())
+    app.add_middleware(RequestCounter, metrics=metrics)
+    _add_error_handlers(app)
+    _add_routes(app, target, engine, metrics, _api_key_check(api_key))
+    return app
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError):
+        return validation_error(error.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        code = "not_found" if error.status_code == 404 else None
+        return APIError(error.status_code, str(error.detail), code=code).response()
+
+
+def validation_error(errors) -> APIError:
+    """FastAPI's validation errors as one OpenAI-style 400 naming the first bad field."""
+    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return bad_request(f"the request body is not valid JSON: {detail}", code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A union field reports one branch per error location (e.g. prompt.str); keep the field itself.
+    param = loc[0] if loc else None
+    if first.get("type") == "missing":
+        return bad_request(f"'{param}' is a required field", param=param, code="missing_required_field")
+    where = ".".join(loc) or "the request body"
+    return bad_request(f"invalid value for '{where}': {first['msg']}", param=param, code="invalid_value")
+
+
+def _api_key_check(api_key: str | None):
+    """A dependency refusing requests without ``Authorization: Bearer <api_key>`` (if a key is set)."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    return check
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: ServerMetrics, check_key) -> None:
+    authenticated = [Depends(check_key)]
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if engine.alive else "engine stopped", "in_flight": engine.in_flight,
+                "active_rows": len(engine.engine.rows), "waiting": len(engine.engine.waiting)}
+        return JSONResponse(body, status_code=200 if engine.alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=authenticated)
+    async def list_models():
+        return {"object": "list", "data": [_model_card(app, target)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=authenticated)
+    async def get_model(model_id: str):
+        _check_model(target, model_id)
+        return _model_card(app, target)
+
+    @app.post("/v1/completions", dependencies=authenticated)
+    async def completions(body: CompletionRequest, request: Request):
+        prepared = _prepare(target, body, "/v1/completions", _completion_prompt_ids(target, body))
+        generation = Generation(engine, target.tokenizer, prepared).start()
+        return await _respond(generation, body, request, TextCompletion(target))
+
+    @app.post("/v1/chat/completions", dependencies=authenticated)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prepared = _prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body))
+        generation = Generation(engine, target.tokenizer, prepared).start()
+        return await _respond(generation, body, request, ChatCompletion(target))
+
+
+def _model_card(app: FastAPI, target: Target) -> dict:
+    return {"id": target.name, "object": "model", "created": app.state.created, "owned_by": "blockspec"}
+
+
+def _check_model(target: Target, model: str) -> None:
+    if model != target.name:
+        raise APIError(404, f"the model '{model}' does not exist: this server serves '{target.name}'",
+                       param="model", code="model_not_found")
+
+
+# -- turning a request into engine input ------------------------------------------------------
+
+def _completion_prompt_ids(target: Target, body: CompletionRequest) -> list[int]:
+    """Plain text (no chat template), as OpenAI's completions endpoint takes it, or token ids."""
+    _check_model(target, body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        vocab = target.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise bad_request(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad_request(f"send one prompt per request, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    return _encode(target, prompt, use_chat_template=False, param="prompt")
+
+
+def _chat_prompt_ids(target: Target, body: ChatCompletionRequest) -> list[int]:
+    _check_model(target, body.model)
+    return _encode(target, [m.as_template_message() for m in body.messages], use_chat_template=True,
+                   param="messages")
+
+
+def _encode(target: Target, prompt, *, use_chat_template: bool, param: str) -> list[int]:
+    try:
+        return target.encode_prompt(prompt, use_chat_template)
+    except BlockspecError as error:
+        raise bad_request(str(error), param=param) from error
+
+
+def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: list[int]) -> PreparedRequest:
+    if body.n != 1:
+        raise bad_request(f"n={body.n} is not supported: this server returns one choice per request",
+                          param="n", code="unsupported_value")
+    try:
+        config = GenerationConfig(max_new_tokens=_token_limit(target, body, len(prompt_ids)),
+                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                                  stop_token_ids=target.stop_token_ids())
+    except BlockspecError as error:  # sampling values GenerationConfig refuses
+        raise bad_request(str(error), code="invalid_value") from error
+    return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings())
+
+
+def _token_limit(target: Target, body: SamplingFields, prompt_tokens: int) -> int:
+    """The completion length: as asked when it fits the context, what is left of it when not asked."""
+    context = target.context_length
+    asked = body.token_limit if _limit_was_given(body) else None
+    if context is not None and prompt_tokens >= context:
+        prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise bad_request(f"the prompt has {prompt_tokens} tokens but the model's context is {context}: "
+                          "shorten the prompt", param=prompt_param, code="context_length_exceeded")
+    room = context - prompt_tokens if context is not None else None
+    if asked is not None:
+        if room is not None and asked > room:
+            param = _limit_param(body)
+            raise bad_request(f"{param} {asked} does not fit: the model's context is {context} tokens and the "
+                              f"prompt has {prompt_tokens}, so at most {room} can be generated",
+                              param=param, code="context_length_exceeded")
+        return asked
+    default = body.token_limit or _DEFAULT_CHAT_TOKENS
+    return min(default, room) if room is not None else default
+
+
+def _limit_was_given(body: SamplingFields) -> bool:
+    return bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+
+
+def _limit_param(body: SamplingFields) -> str:
+    return "max_completion_tokens" if "max_completion_tokens" in body.model_fields_set else "max_tokens"
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+class TextCompletion:
+    """The shapes of /v1/completions answers."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    prefix = "cmpl"
+
+    def __init__(self, target: Target):
+        self.model = target.name
+
+    def envelope(self, id: str, created: int, object: str | None = None) -> dict:
+        return {"id": id, "object": object or self.object, "created": created, "model": self.model}
+
+    def full_choice(self, text: str, finish_reason: str) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_delta(self) -> dict | None:
+        return None
+
+    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> dict:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+
+class ChatCompletion(TextCompletion):
+    """The shapes of /v1/chat/completions answers."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    prefix = "chatcmpl"
+
+    def full_choice(self, text: str, finish_reason: str) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def opening_delta(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> dict:
+        delta = {} if text is None else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+async def _respond(generation: Generation, body: SamplingFields, request: Request, shape: TextCompletion):
+    if body.stream:
+        events = _stream_events(generation, shape, body.include_usage)
+        return CancellingStream(events, on_close=generation.close, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _collect(generation, shape, request)
+
+
+async def _collect(generation: Generation, shape: TextCompletion, request: Request) -> JSONResponse:
+    created = int(time.time())
+    text = "".join([piece async for piece in generation.pieces(request.is_disconnected)])
+    body = shape.envelope(f"{shape.prefix}-{uuid.uuid4().hex}", created)
+    body.update(choices=[shape.full_choice(text, generation.finish_reason or "stop")], usage=generation.usage())
+    return JSONResponse(body)
+
+
+async def _stream_events(generation: Generation, shape: TextCompletion, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
+    id, created = f"{shape.prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(choices: list[dict], **extra) -> str:
+        body = shape.envelope(id, created, shape.chunk_object)
+        body["choices"] = choices
+        if include_usage:
+            body["usage"] = extra.get("usage")
+        return f"data: {json.dumps(body)}\n\n"
+
+    opening = shape.opening_delta()
+    if opening is not None:
+        yield chunk([opening])
+    try:
+        async for piece in generation.pieces():
+            yield chunk([shape.delta_choice(piece)])
+    except APIError as error:
+        yield f"data: {json.dumps(error.body())}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    yield chunk([shape.delta_choice(None, generation.finish_reason or "stop")])
+    if include_usage:
+        yield chunk([], usage=generation.usage())
+    yield "data: [DONE]\n\n"
+
+
+class CancellingStream(StreamingResponse):
+    """A streamed response that notices a client leaving at once, and always runs ``on_close``.
+
+    Starlette (for ASGI 2.4 servers) only finds out about a disconnect at the next write,
+    and may leave the body generator unfinished; here a task listens for
+    ``http.disconnect`` while streaming, and ``on_close`` cancels the request's row
+    whatever ended the stream, so its batch slot is freed.
+    """
+
+    def __init__(self, content, *, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream_then_stop():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self.on_close()
+            await self.body_iterator.aclose()

@@ -1,0 +1,368 @@
+"""The bridge between asyncio request handlers and the one ``BatchEngine``.
+
+A step is a blocking torch call, so the engine lives in ONE thread of its own that steps
+while there is work. Handlers never touch the engine: they send commands (add, cancel)
+through a thread-safe queue, and the thread applies them between steps, so new requests
+join the running batch dynamically. Each request's tokens come back through its own
+asyncio queue, fed with ``loop.call_soon_threadsafe``.
+
+``Generation`` runs one request on top of it and turns its tokens into text. Stop strings
+are matched there, on the text: a piece that could begin a stop string is held back until
+the next tokens show whether it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+from blockspec.decoding.batch import BatchEngine, BatchRow, drafter_factory
+from blockspec.decoding.generate import GenerationConfig, GenerationStats
+from blockspec.decoding.text import Detokenizer
+from blockspec.serve.metrics import ServerMetrics
+from blockspec.serve.schemas import APIError
+
+log = logging.getLogger("blockspec.serve")
+
+
+@dataclass
+class TokenUpdate:
+    """New tokens of one request; ``finish_reason`` is set on its last update."""
+
+    tokens: list[int]
+    finish_reason: str = ""
+    stats: GenerationStats | None = None
+    error: str | None = None
+
+
+@dataclass
+class Submission:
+    """One request inside the engine: what to decode and where its tokens go."""
+
+    id: int
+    input_ids: list[int]
+    config: GenerationConfig
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    row: BatchRow | None = None
+    done: bool = False
+
+    def deliver(self, update: TokenUpdate) -> None:
+        """Called from the engine thread: hand the update to the request's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        except RuntimeError:  # the request's loop is closed: nobody is listening any more
+            pass
+
+
+class ServingEngine:
+    """Owns the ``BatchEngine`` thread; ``submit`` and ``cancel`` are called from the event loop."""
+
+    def __init__(self, target_model, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
+                 metrics: ServerMetrics | None = None):
+        self.engine = BatchEngine(target_model, drafter_factory(drafter), max_batch_size=max_batch_size)
+        self.max_queue = max_queue
+        self.metrics = metrics or ServerMetrics()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight: dict[int, Submission] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- the event-loop side -----------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, input_ids: list[int], config: GenerationConfig) -> Submission:
+        """Queue a request, or refuse it with 503 when ``max_queue`` requests are already in flight."""
+        if not self.alive:
+            raise APIError(503, "the decoding engine is not running: restart the server", type="server_error",
+                           code="engine_stopped")
+        submission = Submission(next(self._ids), list(input_ids), config, asyncio.get_running_loop())
+        with self._lock:
+            if len(self._in_flight) >= self.max_queue:
+                raise APIError(503, f"the server is at capacity ({self.max_queue} requests in flight): retry later",
+                               type="server_error", code="server_overloaded")
+            self._in_flight[submission.id] = submission
+            self.metrics.in_flight.set(len(self._in_flight))
+        self._commands.put(("add", submission))
+        return submission
+
+    def cancel(self, submission: Submission) -> None:
+        """Stop decoding a request (client gone, or a stop string reached); frees its slot."""
+        if not submission.done:
+            submission.done = True
+            self._commands.put(("cancel", submission))
+
+    def start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="blockspec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._apply_commands(wait=not self.engine.has_work)
+                if self.engine.has_work and not self._stopping.is_set():
+                    self._step()
+        except Exception:  # a bug here must not leave requests waiting for ever
+            log.exception("the engine thread stopped")
+            raise
+        finally:
+            self._fail_all("the server is shutting down" if self._stopping.is_set() else "the decoding engine stopped")
+
+    def _apply_commands(self, wait: bool) -> None:
+        """Apply every queued command; when idle, sleep until one arrives."""
+        try:
+            command = self._commands.get() if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._update_gauges()
+
+    def _apply(self, kind: str, submission: Submission | None) -> None:
+        if kind == "add":
+            self._add(submission)
+        elif kind == "cancel":
+            if submission.row is not None:
+                self.engine.cancel(submission.row)
+            self._forget(submission)
+
+    def _add(self, submission: Submission) -> None:
+        if submission.done:  # cancelled before it reached the engine
+            self._forget(submission)
+            return
+        try:
+            submission.row = self.engine.add(submission.input_ids, submission.config)
+        except Exception as error:  # noqa: BLE001 - the request fails, the server lives on
+            self._finish(submission, TokenUpdate([], "error", error=str(error)))
+            return
+        self.metrics.prompt_tokens.inc(len(submission.input_ids))
+
+    def _step(self) -> None:
+        rows = {s.row.id: s for s in self._snapshot() if s.row is not None}
+        try:
+            events = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - a failed forward must not take the server down
+            log.exception("engine step failed")
+            self._reset_engine()
+            for submission in rows.values():
+                self._finish(submission, TokenUpdate([], "error", error=f"decoding failed: {error}"))
+            return
+        for size in self.engine.batch_sizes:  # none when the step only prefilled
+            self.metrics.batch_size.observe(size)
+        self.engine.batch_sizes.clear()  # a server steps for ever: keep the figures in the histogram only
+        for event in events:
+            submission = rows.get(event.row.id)
+            if submission is None or submission.done:
+                continue
+            if event.row.finished:
+                self._finish(submission, TokenUpdate(event.step.tokens, event.row.stats.finish_reason,
+                                                     event.row.stats))
+            else:
+                submission.deliver(TokenUpdate(event.step.tokens))
+        self._update_gauges()
+
+    def _finish(self, submission: Submission, update: TokenUpdate) -> None:
+        if update.stats is not None and update.stats.acceptance_lengths:
+            self.metrics.tau.observe(update.stats.tau)
+        submission.done = True
+        submission.deliver(update)
+        self._forget(submission)
+
+    def _forget(self, submission: Submission) -> None:
+        with self._lock:
+            self._in_flight.pop(submission.id, None)
+            self.metrics.in_flight.set(len(self._in_flight))
+
+    def _snapshot(self) -> list[Submission]:
+        with self._lock:
+            return list(self._in_flight.values())
+
+    def _reset_engine(self) -> None:
+        """A fresh engine over the same model and drafters (the old cache may be half-updated)."""
+        old = self.engine
+        self.engine = BatchEngine(old.model, old.make_drafter, max_batch_size=old.max_batch_size)
+
+    def _fail_all(self, message: str) -> None:
+        for submission in self._snapshot():
+            self._finish(submission, TokenUpdate([], "error", error=message))
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self.engine.waiting))
+        self.metrics.active_rows.set(len(self.engine.rows))
+
+
+#: blockspec's finish reasons as OpenAI names them ("context": the context filled up first).
+_FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+
+#: How often a non-streamed request checks that its client is still there (a stream notices at once).
+_DISCONNECT_POLL_S = 0.5
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string, holding back what may begin one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """The text safe to send now, and whether a stop string was reached."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = self._longest_stop_prefix_suffix()
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+    def _longest_stop_prefix_suffix(self) -> int:
+        for size in range(min(len(self.pending), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            tail = self.pending[-size:]
+            if any(s.startswith(tail) for s in self.stops):
+                return size
+        return 0
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready for the engine."""
+
+    endpoint: str
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stop_strings: list[str]
+
+
+class Generation:
+    """Runs one request through the engine; iterate ``pieces()`` for its text.
+
+    ``submit`` happens in ``start`` (so a full queue is refused before any response begins);
+    whatever ends the iteration (finished, stop string, client gone, error), the row is
+    cancelled if still running and the request is accounted for in the metrics.
+    """
+
+    def __init__(self, engine: ServingEngine, tokenizer, request: PreparedRequest):
+        self.engine = engine
+        self.request = request
+        self.detokenizer = Detokenizer(tokenizer)
+        self.stops = StopStrings(request.stop_strings)
+        self.started_at = time.perf_counter()
+        self.submission: Submission | None = None
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._first_token_seen = False
+        self._closed = False
+        self._disconnect_checked_at = self.started_at
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def start(self) -> "Generation":
+        self.submission = self.engine.submit(self.request.prompt_ids, self.request.config)
+        return self
+
+    async def pieces(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
+        """Text increments until the request finishes; raises ``APIError`` if decoding failed."""
+        try:
+            while self.finish_reason is None:
+                update = await self._next_update(is_disconnected)
+                if update is None:  # the client is gone
+                    return
+                if update.error:
+                    raise APIError(500, update.error, type="server_error", code="generation_failed")
+                text = self._take(update.tokens)
+                if update.finish_reason and self.finish_reason is None:
+                    text += self._rest_of_text()
+                    self.finish_reason = _FINISH_REASONS.get(update.finish_reason, "stop")
+                if text:
+                    yield text
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the row if it still runs, and record the request once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.submission is not None:
+            self.engine.cancel(self.submission)
+        metrics = self.engine.metrics
+        metrics.generated_tokens.inc(self.completion_tokens)
+        metrics.latency.labels(self.request.endpoint).observe(time.perf_counter() - self.started_at)
+
+    async def _next_update(self, is_disconnected):
+        """The next update, or None once the client has gone (checked every ``_DISCONNECT_POLL_S``)."""
+        updates = self.submission.updates
+        if is_disconnected is None:
+            return await updates.get()
+        while True:
+            now = time.perf_counter()
+            if now - self._disconnect_checked_at >= _DISCONNECT_POLL_S:
+                self._disconnect_checked_at = now
+                if await is_disconnected():
+                    return None
+            try:
+                return await asyncio.wait_for(updates.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+
+    def _take(self, tokens: list[int]) -> str:
+        """Account for new tokens; the text they add, cut at a stop string (which ends the request)."""
+        if tokens and not self._first_token_seen:
+            self._first_token_seen = True
+            self.engine.metrics.time_to_first_token.labels(self.request.endpoint).observe(
+                time.perf_counter() - self.started_at)
+        self.completion_tokens += len(tokens)
+        text, stopped = self.stops.feed(self.detokenizer.add(tokens))
+        if stopped:
+            self.finish_reason = "stop"
+            self.engine.cancel(self.submission)
+        return text
+
+    def _rest_of_text(self) -> str:
+        """At the end: half characters the detokenizer held back, and text held for stop strings."""
+        detokenizer = self.detokenizer
+        tail = detokenizer.text[detokenizer.emitted:]
+        detokenizer.emitted += len(tail)
+        text, stopped = self.stops.feed(tail)
+        return text if stopped else text + self.stops.flush()

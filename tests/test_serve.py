@@ -1,0 +1,345 @@
+"""The OpenAI-compatible server: the official client, dynamic batching, disconnects, errors, metrics."""
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from blockspec.models import build_drafter
+from blockspec.models.target import Target, load_target
+from blockspec.serve.app import create_app
+from blockspec.serve import engine as serve_engine
+from blockspec.serve.engine import StopStrings
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(app):
+    """Serve ``app`` with uvicorn in a background thread on a free loopback port; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def load_served_target(directory) -> Target:
+    # float64: a batched forward and a one-row forward then cannot disagree by rounding.
+    target = load_target(str(directory), device="cpu")
+    target.model.double()
+    return target
+
+
+@dataclass
+class Served:
+    url: str
+    app: object
+    target: Target
+
+    @property
+    def model(self) -> str:
+        return self.target.name
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=options.pop("api_key", "unused"), max_retries=0,
+                             **options)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target_dir, tiny_draft_dir):
+    """The tiny target with its DFlash drafter, so the requests go through speculative decoding."""
+    target = load_served_target(tiny_target_dir)
+    drafter = build_drafter("dflash", target, str(tiny_draft_dir))
+    app = create_app(target, drafter, max_batch_size=8, max_queue=64)
+    with running_server(app) as url:
+        yield Served(url, app, target)
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_target_dir):
+    """An AR server with an API key and room for one request in flight."""
+    target = load_served_target(tiny_target_dir)
+    app = create_app(target, None, max_batch_size=2, max_queue=1, api_key="sekret")
+    with running_server(app) as url:
+        yield Served(url, app, target)
+
+
+def wait_until_idle(served: Served, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{served.url}/health").json()
+        if health["in_flight"] == 0 and health["active_rows"] == 0 and health["waiting"] == 0:
+            return health
+        assert time.monotonic() < deadline, f"the server stayed busy: {health}"
+        time.sleep(0.05)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param=None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+# -- the official client -----------------------------------------------------------------------
+
+def test_openai_client_completions_streaming_and_not(served):
+    client = served.client()
+    full = client.completions.create(model=served.model, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    choice = full.choices[0]
+    assert full.object == "text_completion" and full.model == served.model
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens == (12 if choice.finish_reason == "length" else full.usage.completion_tokens)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(client.completions.create(model=served.model, prompt="The quick brown fox", max_tokens=12,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_openai_client_chat_streaming_and_not(served):
+    client = served.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 times 7?"}]
+    full = client.chat.completions.create(model=served.model, messages=messages, max_completion_tokens=10,
+                                          temperature=0)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens == len(served.target.encode_prompt(messages))
+
+    stream = client.chat.completions.create(model=served.model, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+
+
+def test_models_listing_and_unknown_model(served):
+    client = served.client()
+    assert [m.id for m in client.models.list().data] == [served.model]
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+    assert raised.value.body["code"] == "model_not_found"
+    assert_openai_error(httpx.post(f"{served.url}/v1/completions", json={"model": "nope", "prompt": "a"}), 404,
+                        "model")
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(served):
+    client = served.client()
+    free = client.completions.create(model=served.model, prompt="Natalia sold clips", max_tokens=16,
+                                     temperature=0).choices[0].text
+    assert len(free) >= 6, "the tiny model's output is too short to pick a stop string from"
+    stop = free[4:6]
+    expected = free[:free.find(stop)]
+    cut = client.completions.create(model=served.model, prompt="Natalia sold clips", max_tokens=16, temperature=0,
+                                    stop=[stop, "never-appears"]).choices[0]
+    assert (cut.text, cut.finish_reason) == (expected, "stop")
+    streamed = list(client.completions.create(model=served.model, prompt="Natalia sold clips", max_tokens=16,
+                                              temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    wait_until_idle(served)
+
+
+def test_stop_strings_hold_back_a_possible_start():
+    stops = StopStrings(["END"])
+    assert stops.feed("abcE") == ("abc", False)
+    assert stops.feed("N") == ("", False)
+    assert stops.feed("x") == ("ENx", False)
+    assert stops.feed("yyEND zz") == ("yy", True)
+
+
+# -- concurrency -----------------------------------------------------------------------------------
+
+PROMPTS = [f"Prompt number {i}: " + "the quick brown fox " * (i % 5) for i in range(16)]
+
+
+def complete(served: Served, prompt: str) -> tuple[str, int]:
+    body = {"model": served.model, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    return data["choices"][0]["text"], data["usage"]["completion_tokens"]
+
+
+def batch_size_figures(served: Served) -> tuple[float, float]:
+    text = httpx.get(f"{served.url}/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("blockspec_batch_size_")}
+    return values["blockspec_batch_size_sum"], values["blockspec_batch_size_count"]
+
+
+def test_concurrent_requests_are_batched_and_equal_requests_sent_one_by_one(served):
+    one_by_one = [complete(served, p) for p in PROMPTS]
+    rows_before, forwards_before = batch_size_figures(served)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: complete(served, p), PROMPTS))
+    rows, forwards = batch_size_figures(served)
+    assert together == one_by_one
+    assert (rows - rows_before) / (forwards - forwards_before) > 1.5, "the concurrent requests were not batched"
+    wait_until_idle(served)
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(served, monkeypatch):
+    cancelled = []
+    cancel = served.engine.engine.cancel
+    monkeypatch.setattr(served.engine.engine, "cancel", lambda row: (cancelled.append(row), cancel(row)))
+    body = {"model": served.model, "messages": [{"role": "user", "content": "Tell me everything."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            data = (json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: "))
+            opening, first_text = next(data), next(data)  # the second chunk comes once the row has decoded
+            assert opening["choices"][0]["delta"]["role"] == "assistant"
+            assert first_text["choices"][0]["delta"]["content"]
+    health = wait_until_idle(served)
+    assert health["status"] == "ok"
+    assert served.engine.engine.rows == [] and not served.engine.engine.waiting
+    assert [row.stats.finish_reason for row in cancelled] == ["cancelled"], [(r.stats, r.token_ids) for r in cancelled]
+    assert len(cancelled[0].token_ids) < 400, "the row ran to its end instead of being cancelled"
+    assert complete(served, "after the disconnect")[1] > 0
+
+
+def test_a_client_giving_up_on_a_non_streamed_request_frees_its_row(served, monkeypatch):
+    monkeypatch.setattr(serve_engine, "_DISCONNECT_POLL_S", 0.05)
+    cancelled = []
+    cancel = served.engine.engine.cancel
+    monkeypatch.setattr(served.engine.engine, "cancel", lambda row: (cancelled.append(row), cancel(row)))
+    body = {"model": served.model, "prompt": "Tell me everything.", "max_tokens": 480, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.4))
+    wait_until_idle(served)
+    assert [row.stats.finish_reason for row in cancelled] == ["cancelled"]
+    assert len(cancelled[0].token_ids) < 480
+
+
+# -- bad requests ------------------------------------------------------------------------------------
+
+def bad_requests(model):
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    text = {"model": model, "prompt": "hi"}
+    return [
+        ("completions", b"{not json", 400, None),
+        ("completions", {"model": model}, 400, "prompt"),
+        ("chat/completions", {"model": model}, 400, "messages"),
+        ("chat/completions", {"messages": chat["messages"]}, 400, "model"),
+        ("chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("completions", {**text, "max_tokens": 0}, 400, "max_tokens"),
+        ("completions", {**text, "max_tokens": 100_000}, 400, "max_tokens"),
+        ("chat/completions", {**chat, "max_completion_tokens": 100_000}, 400, "max_completion_tokens"),
+        ("completions", {**text, "prompt": [5] * 600}, 400, "prompt"),
+        ("completions", {**text, "prompt": "   "}, 400, "prompt"),
+        ("completions", {**text, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("chat/completions", {**chat, "temperature": -0.5}, 400, "temperature"),
+        ("chat/completions", {**chat, "top_p": 0}, 400, "top_p"),
+        ("chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
+        ("completions", {**text, "n": 2}, 400, "n"),
+        ("chat/completions", {**chat, "model": "other-model"}, 404, "model"),
+    ]
+
+
+def test_bad_requests_get_4xx_with_openai_error_bodies(served):
+    with httpx.Client(base_url=f"{served.url}/v1", timeout=30) as client:
+        for endpoint, body, status, param in bad_requests(served.model):
+            if isinstance(body, bytes):
+                response = client.post(endpoint, content=body, headers={"content-type": "application/json"})
+            else:
+                response = client.post(endpoint, json=body)
+            assert_openai_error(response, status, param)
+        assert_openai_error(client.get("/no-such-endpoint"), 404)
+    assert served.engine.in_flight == 0
+
+
+# -- capacity, authentication, metrics -------------------------------------------------------------------
+
+def test_a_full_queue_answers_503_and_recovers(guarded, monkeypatch):
+    # Hold the engine in its step, so the first request stays in flight however fast it would decode.
+    gate = threading.Event()
+    step = guarded.engine.engine.step
+    monkeypatch.setattr(guarded.engine.engine, "step", lambda: (gate.wait(20), step())[1])
+    headers = {"Authorization": "Bearer sekret"}
+    short = {"model": guarded.model, "prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=guarded.url, headers=headers, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={**short, "stream": True}) as holding:
+            assert holding.status_code == 200  # headers come once the request is queued
+            error = assert_openai_error(client.post("/v1/completions", json=short), 503)
+            assert error["type"] == "server_error"
+            gate.set()
+            assert "data: [DONE]" in list(holding.iter_lines())
+        wait_until_idle(guarded)
+        assert client.post("/v1/completions", json=short).status_code == 200
+
+
+def test_the_api_key_is_required_when_set(guarded):
+    url = f"{guarded.url}/v1/models"
+    assert_openai_error(httpx.get(url), 401)
+    assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401)
+    assert httpx.get(url, headers={"Authorization": "Bearer sekret"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="wrong").completions.create(model=guarded.model, prompt="hi", max_tokens=2)
+    reply = guarded.client(api_key="sekret").completions.create(model=guarded.model, prompt="hi", max_tokens=2)
+    assert reply.usage.completion_tokens >= 1
+    assert httpx.get(f"{guarded.url}/health").status_code == 200  # health and metrics stay open
+
+
+def test_metrics_expose_requests_tokens_tau_batching_and_latency(served):
+    complete(served, "count me")
+    text = httpx.get(f"{served.url}/metrics").text
+    for name in ["blockspec_requests_total", "blockspec_prompt_tokens_total", "blockspec_generated_tokens_total",
+                 "blockspec_tau_bucket", "blockspec_batch_size_bucket", "blockspec_queue_depth",
+                 "blockspec_active_rows", "blockspec_request_latency_seconds_bucket",
+                 "blockspec_time_to_first_token_seconds_bucket"]:
+        assert name in text, name
+    assert 'blockspec_requests_total{endpoint="/v1/completions",status="200"}' in text
+
+
+def test_a_seeded_sampled_request_repeats(served):
+    client = served.client()
+    ask = dict(model=served.model, prompt="Write a function", max_tokens=8, temperature=0.9, top_p=0.95, seed=7)
+    assert client.completions.create(**ask).choices[0].text == client.completions.create(**ask).choices[0].text
+
+
+def test_serve_options_are_checked(tiny_target_dir, capsys):
+    from blockspec.cli import main
+    from blockspec.errors import BlockspecError
+
+    assert main(["serve", "--target", str(tiny_target_dir), "--method", "ar", "--port", "0"]) == 2
+    assert "--port" in capsys.readouterr().err
+    with pytest.raises(BlockspecError, match="max_queue"):
+        create_app(load_served_target(tiny_target_dir), None, max_queue=0)
