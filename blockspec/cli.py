@@ -272,6 +272,10 @@ def add_loadtest_command(commands) -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests in all (default 32)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt", default=None, help="the user message of every request")
+    parser.add_argument("--dataset", default=None,
+                        help="cycle through the prompts of a bundled benchmark set instead (gsm8k, humaneval, ...)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature of the requests (default: the server's, 1.0; 0 is greedy)")
     parser.add_argument("--model", default=None, help="model id to request (default: the one the server lists)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--timeout", type=float, default=300.0, help="time limit for the whole run in seconds")
@@ -282,8 +286,14 @@ def add_loadtest_command(commands) -> None:
 def run_loadtest(args) -> int:
     from blockspec.serve.loadtest import DEFAULT_PROMPT, print_report, run_loadtest as load
 
+    prompt = args.prompt or DEFAULT_PROMPT
+    if args.dataset:
+        from blockspec.bench.datasets import load_benchmark_prompts
+
+        prompt = [row["turns"][0] for row in load_benchmark_prompts(args.dataset, num_prompts=args.requests)]
     report = load(args.url, concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
-                  prompt=args.prompt or DEFAULT_PROMPT, timeout=args.timeout, model=args.model, api_key=args.api_key)
+                  prompt=prompt, timeout=args.timeout, model=args.model, api_key=args.api_key,
+                  temperature=args.temperature)
     print_report(report, args.json)
     return 0 if report.errors == 0 else 1
 

@@ -35,6 +35,10 @@ def test_loadtest_command_prints_json(server_url, capsys):
                  "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["completed"] == 2 and report["errors"] == 0
+    code = main(["loadtest", "--url", server_url, "--concurrency", "3", "--requests", "3", "--max-tokens", "4",
+                 "--dataset", "gsm8k", "--temperature", "0", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["completed"] == 3 and report["errors"] == 0
 
 
 def test_loadtest_counts_refused_requests_as_errors(server_url):

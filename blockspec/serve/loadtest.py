@@ -106,31 +106,43 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def run_loadtest(url: str, *, concurrency: int, requests: int, max_tokens: int = 64, prompt: str = DEFAULT_PROMPT,
-                 timeout: float = 300.0, model: str | None = None, api_key: str | None = None) -> LoadtestReport:
-    """Send ``requests`` streaming chat requests, ``concurrency`` at a time, within ``timeout`` seconds."""
+def run_loadtest(url: str, *, concurrency: int, requests: int, max_tokens: int = 64,
+                 prompt: str | list[str] = DEFAULT_PROMPT, timeout: float = 300.0, model: str | None = None,
+                 api_key: str | None = None, temperature: float | None = None) -> LoadtestReport:
+    """Send ``requests`` streaming chat requests, ``concurrency`` at a time, within ``timeout`` seconds.
+
+    ``prompt``: one prompt, or a list that the requests cycle through. ``temperature``: None
+    leaves the server's default (the OpenAI API's 1.0); 0 asks for greedy decoding.
+    """
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts:
+        raise BlockspecError("the load test needs at least one prompt")
     base = check_loopback(url)
     for name, value in (("concurrency", concurrency), ("requests", requests), ("max_tokens", max_tokens)):
         if value < 1:
             raise BlockspecError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if timeout <= 0:
         raise BlockspecError(f"--timeout must be > 0 seconds, got {timeout}")
-    return asyncio.run(_run(base, concurrency, requests, max_tokens, prompt, timeout, model, api_key))
+    return asyncio.run(_run(base, concurrency, requests, max_tokens, prompts, timeout, model, api_key, temperature))
 
 
-async def _run(base, concurrency, requests, max_tokens, prompt, timeout, model, api_key) -> LoadtestReport:
+async def _run(base, concurrency, requests, max_tokens, prompts, timeout, model, api_key,
+               temperature) -> LoadtestReport:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=timeout,
                                  trust_env=False) as client:
         model = model or await _served_model(client)
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "stream": True, "stream_options": {"include_usage": True}}
+        base_body = {"model": model, "max_tokens": max_tokens, "stream": True,
+                     "stream_options": {"include_usage": True}}
+        if temperature is not None:
+            base_body["temperature"] = temperature
         timings: list[RequestTiming] = []
         tickets = iter(range(requests))
 
         async def worker():
-            for _ in tickets:  # shared: every request is sent exactly once
+            for ticket in tickets:  # shared: every request is sent exactly once
+                body = {**base_body, "messages": [{"role": "user", "content": prompts[ticket % len(prompts)]}]}
                 timings.append(await _timed_request(client, body))
 
         started = time.perf_counter()
