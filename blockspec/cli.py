@@ -56,10 +56,24 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
 
 
+def block_size_arg(value: str):
+    """--block-size: a whole number >= 1, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {size}")
+    return size
+
+
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="verify width: the last token + block_size-1 drafts (default: the drafter's trained size)")
+    parser.add_argument("--block-size", type=block_size_arg, default=None,
+                        help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by "
+                             "the cost model from the draft's confidence) (default: the drafter's trained size)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)

@@ -19,13 +19,15 @@ def add_bench_command(commands) -> None:
         description="Decode the same prompts with every method in one process, interleaved prompt by prompt, "
                     "and write results.json, results.md and PNG plots. In greedy runs every method's tokens are "
                     "checked against ar's; any difference makes the exit code 1.")
+    from blockspec.cli import block_size_arg
     from blockspec.hub import DEFAULT_TARGET
 
     models = parser.add_argument_group("models")
     models.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
     models.add_argument("--methods", default=None,
                         help="comma-separated: ar, hf, hf-prompt-lookup, hf-assisted, and the drafters "
-                             "dflash, eagle3, mtp, draft, ngram (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a "
+                             "dflash, eagle3, mtp, draft, ngram, each also as METHOD@WIDTH with its own verify "
+                             "width, e.g. dflash@4,dflash@16,dflash@auto (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a "
                              "DFlash drafter is known, plus draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
                         help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for eagle3, mtp, draft "
@@ -51,7 +53,8 @@ def add_bench_command(commands) -> None:
     data.add_argument("--no-chat-template", action="store_true")
     decoding = parser.add_argument_group("decoding")
     decoding.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    decoding.add_argument("--block-size", type=int, default=None, help="verify width of the drafting methods")
+    decoding.add_argument("--block-size", type=block_size_arg, default=None,
+                          help="verify width of the drafting methods, or 'auto' (adaptive width)")
     decoding.add_argument("--temperature", type=float, default=0.0)
     decoding.add_argument("--top-p", type=float, default=1.0)
     decoding.add_argument("--top-k", type=int, default=0)
@@ -127,7 +130,7 @@ def load_methods(args):
     names = parse_methods(args.methods, drafts, args.assistant)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafters = {}
-    for name in names:
+    for name in dict.fromkeys(n.partition("@")[0] for n in names):  # dflash@4 and dflash@auto share one drafter
         if name in DRAFT_METHODS:
             draft = drafts.get(name) or (args.assistant if name == "draft" else None)
             if name in CHECKPOINT_METHODS and draft is None:

@@ -7,6 +7,8 @@ call Hugging Face ``generate`` as users run it, so the comparison includes its o
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -47,12 +49,16 @@ class Method(Protocol):
 class LoopMethod:
     """blockspec's loop: autoregressive without a drafter, speculative with one."""
 
-    def __init__(self, name: str, model, drafter=None):
+    def __init__(self, name: str, model, drafter=None, block_size: int | str | None = None):
         self.name = name
         self.model = model
         self.drafter = drafter
+        #: This method's own verify width (``dflash@8``, ``dflash@auto``), over the run's.
+        self.block_size = block_size
 
     def decode(self, prompt_ids, config):
+        if self.block_size is not None:
+            config = dataclasses.replace(config, block_size=self.block_size)
         with MemoryMeter(self.model.device) as memory:
             stream = speculative_generate(self.model, torch.tensor([prompt_ids]), self.drafter, config)
             for _ in stream:
@@ -184,6 +190,15 @@ class MemoryMeter:
             self._peak = max(self._peak, self._process.memory_info().rss)
 
 
+def parse_width(name: str, width: str) -> int | str:
+    """The WIDTH of a METHOD@WIDTH benchmark method: a whole number >= 1 or 'auto'."""
+    if width == "auto":
+        return width
+    if not width.isdigit() or int(width) < 1:
+        raise BlockspecError(f"benchmark method {name!r}: after '@' give a verify width >= 1 or 'auto'")
+    return int(width)
+
+
 def build_methods(names, target, *, drafters: dict | None = None, assistant=None,
                   block_size: int | None = None) -> list:
     """Methods by name: the baselines, ``hf-assisted`` (needs ``assistant``, a draft LM), and
@@ -191,7 +206,7 @@ def build_methods(names, target, *, drafters: dict | None = None, assistant=None
     drafters = drafters or {}
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (target.stop_token_ids() or [0])[0]
-    draft_tokens = block_size - 1 if block_size else None
+    draft_tokens = block_size - 1 if isinstance(block_size, int) else None  # HF's own default with "auto"
     methods = []
     for name in names:
         if name == "ar":
@@ -209,6 +224,9 @@ def build_methods(names, target, *, drafters: dict | None = None, assistant=None
                                             assistant_tokens=draft_tokens))
         elif name in drafters:
             methods.append(LoopMethod(name, target.model, drafters[name]))
+        elif "@" in name and name.partition("@")[0] in drafters:
+            base, _, width = name.partition("@")
+            methods.append(LoopMethod(name, target.model, drafters[base], block_size=parse_width(name, width)))
         else:
             known = list(BASELINES) + ["hf-assisted"] + list(drafters)
             raise BlockspecError(f"unknown benchmark method {name!r}: choose from {', '.join(known)}")

@@ -12,11 +12,14 @@ def write_plots(summary: dict, out_dir) -> dict[str, Path]:
     matplotlib.use("Agg")
     out = Path(out_dir)
     datasets = [d for d in summary if d != "all"] or list(summary)
-    return {
+    plots = {
         "tau_histogram": _save(_tau_histograms(summary, datasets), out / "tau_histogram.png"),
         "acceptance_by_position": _save(_acceptance_curves(summary, datasets), out / "acceptance_by_position.png"),
         "speedup": _save(_speedup_bars(summary, datasets), out / "speedup.png"),
     }
+    if any(len(f.get("verify_width_histogram", {})) > 1 for d in datasets for f in summary[d].values()):
+        plots["verify_widths"] = _save(_width_histograms(summary, datasets), out / "verify_widths.png")
+    return plots
 
 
 def _panels(count: int, title: str):
@@ -46,6 +49,21 @@ def _tau_histograms(summary, datasets):
                      label=f"{name} (tau {f['tau']:.2f})")
         axis.set(title=dataset, xlabel="tokens per step", ylabel="share of steps")
         axis.legend(fontsize=8)
+    return figure
+
+
+def _width_histograms(summary, datasets):
+    """The verify widths each step used: one bar for a fixed width, a spread for adaptive width."""
+    figure, axes = _panels(len(datasets), "Verify width per step")
+    for axis, dataset in zip(axes, datasets):
+        methods = {n: f for n, f in summary[dataset].items() if len(f.get("verify_width_histogram", {})) > 1}
+        for name, f in methods.items():
+            total = sum(f["verify_width_histogram"].values()) or 1
+            widths = [int(k) for k in f["verify_width_histogram"]]
+            axis.plot(widths, [v / total for v in f["verify_width_histogram"].values()], marker="o", label=name)
+        axis.set(title=dataset, xlabel="verify width (last token + drafts)", ylabel="share of steps")
+        if methods:
+            axis.legend(fontsize=8)
     return figure
 
 

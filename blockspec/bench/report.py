@@ -40,6 +40,8 @@ def _figures(rows: list[dict], method: str) -> dict:
         "tau": sum(steps) / len(steps) if steps else 0.0,
         "tau_per_prompt_mean": _mean([r["tau"] for r in mine]),
         "tau_histogram": {str(k): v for k, v in sorted(Counter(steps).items())},
+        "verify_width_histogram": {str(k): v for k, v in sorted(Counter(
+            d + 1 for r in mine for d in r["drafted"]).items())},
         "acceptance_by_position": acceptance_by_position([n for r in mine for n in r["drafted"]],
                                                          [n for r in mine for n in r["accepted"]]),
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,

@@ -26,7 +26,7 @@ REFERENCE_METHOD = "ar"
 class BenchConfig:
     max_new_tokens: int = 128
     #: Verify width for the drafting methods (None: each drafter's default).
-    block_size: int | None = None
+    block_size: int | str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

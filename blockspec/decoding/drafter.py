@@ -12,14 +12,32 @@ from blockspec.decoding.sampling import SamplingConfig
 
 @dataclass
 class Proposal:
-    """Draft tokens [n] and, for drafters that sample, the distribution q [n, V] behind each."""
+    """Draft tokens [n] and, for drafters that sample, the distribution q [n, V] behind each.
+
+    ``confidence`` [n]: the drafter's probability of each of its tokens (None: unknown), which
+    the adaptive verify width calibrates against acceptance.
+    """
 
     tokens: torch.LongTensor
     probs: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, device) -> "Proposal":
         return cls(torch.zeros(0, dtype=torch.long, device=device))
+
+    def confidences(self) -> list[float]:
+        """Per draft: the drafter's confidence, else q(token), else 1 (the calibration learns the rest)."""
+        if self.confidence is not None:
+            return self.confidence.float().tolist()
+        if self.probs is not None:
+            return self.probs[torch.arange(len(self.tokens)), self.tokens].float().tolist()
+        return [1.0] * len(self.tokens)
+
+    def truncated(self, count: int) -> "Proposal":
+        """The first ``count`` drafts (a prefix is a valid proposal: the verifier checks drafts in order)."""
+        cut = lambda t: None if t is None else t[:count]  # noqa: E731
+        return Proposal(self.tokens[:count], cut(self.probs), cut(self.confidence))
 
 
 @runtime_checkable

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
+from blockspec.decoding.adaptive import AUTO, AdaptiveWidth, check_block_size, cost_model_for
 from blockspec.decoding.drafter import Drafter, Proposal
 from blockspec.decoding.sampling import SamplingConfig, pick_tokens
 from blockspec.decoding.verifier import verify
@@ -22,8 +23,9 @@ from blockspec.errors import BlockspecError
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 256
-    #: Verify width (last token + block_size - 1 drafts); None: the drafter's default.
-    block_size: int | None = None
+    #: Verify width (last token + block_size - 1 drafts); None: the drafter's default;
+    #: "auto": chosen each step by the cost model (blockspec.decoding.adaptive).
+    block_size: int | str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -33,8 +35,7 @@ class GenerationConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise BlockspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.block_size is not None and self.block_size < 1:
-            raise BlockspecError(f"block_size must be >= 1, got {self.block_size}")
+        check_block_size(self.block_size)
         self.sampling  # validates the sampling values
 
     @property
@@ -97,6 +98,9 @@ class TokenStream:
         self.drafter = drafter
         self.config = config
         self.block_size = resolve_block_size(drafter, config.block_size)
+        #: The adaptive width policy with --block-size auto (its ``widths`` say what it chose).
+        self.width_policy = AdaptiveWidth(cost_model_for(target_model, self.block_size)) \
+            if config.block_size == AUTO else None
         self.max_new_tokens = _fit_to_context(target_model, self.input_ids.shape[1], config.max_new_tokens)
         self.stats = GenerationStats(prompt_tokens=self.input_ids.shape[1])
         self.token_ids: list[int] = []
@@ -124,11 +128,16 @@ class TokenStream:
         position = self.input_ids.shape[1]  # where `token` goes; the cache holds everything before it
         while not self.stats.finish_reason:
             remaining = self.max_new_tokens - len(self.token_ids)
+            drafting = wall_clock(self.model.device) if self.width_policy else 0.0
             proposal = self._propose(token, min(self.block_size - 1, remaining - 1), sampling, generator)
+            proposal, confidences, verifying = self._choose_width(proposal, drafting)
             block = torch.cat([torch.tensor([token], device=self.model.device), proposal.tokens]).unsqueeze(0)
             out = self.model(input_ids=block, position_ids=positions(position, block.shape[1], block.device),
                              cache=cache, use_cache=True, output_hidden_states=wants_features)
             verdict = verify(proposal.tokens, out.logits[0], sampling, proposal.probs, generator)
+            if self.width_policy is not None and confidences:
+                self.width_policy.observe(confidences, verdict.num_accepted, wall_clock(self.model.device) - verifying,
+                                          block.shape[1], verifying - drafting)
             kept = verdict.num_accepted + 1  # the last token and the accepted drafts enter the cache
             cache.crop(kept - block.shape[1])
             if self.drafter is not None:
@@ -144,6 +153,15 @@ class TokenStream:
         if self.drafter is None or num_tokens <= 0:
             return Proposal.empty(self.model.device)
         return self.drafter.propose(token, num_tokens, sampling, generator)
+
+    def _choose_width(self, proposal: Proposal, drafting: float):
+        """With adaptive width: the proposal cut to the chosen width, its confidences, the time verifying starts."""
+        if self.width_policy is None or len(proposal.tokens) == 0:
+            return proposal, None, 0.0
+        verifying = wall_clock(self.model.device)
+        confidences = proposal.confidences()
+        width = self.width_policy.choose(confidences)
+        return proposal.truncated(width - 1), confidences[: width - 1], verifying
 
     def _features(self, out) -> torch.Tensor:
         return torch.cat([out.hidden_states[i + 1] for i in self.drafter.feature_layers], dim=-1)
@@ -194,7 +212,13 @@ def speculative_generate(target_model, input_ids, drafter: Drafter | None = None
     return TokenStream(target_model, input_ids, drafter, config or GenerationConfig())
 
 
-def resolve_block_size(drafter: Drafter | None, requested: int | None) -> int:
+def resolve_block_size(drafter: Drafter | None, requested: int | str | None) -> int:
+    """The verify width (with "auto": the widest the policy may choose)."""
+    if requested == AUTO:
+        if drafter is None:
+            raise BlockspecError("block_size 'auto' needs a drafter: without one, decoding is one token per step")
+        limit = drafter.max_draft_tokens
+        return limit + 1 if limit is not None else drafter.default_block_size
     if drafter is None:
         if requested not in (None, 1):
             raise BlockspecError(f"block_size {requested} needs a drafter: without one, decoding is one token per step")

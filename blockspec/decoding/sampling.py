@@ -66,11 +66,21 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
 
 
 def pick_draft(logits: torch.Tensor, sampling: SamplingConfig, generator, sampled: bool):
-    """One draft token from logits [V]: sampled from q (returned for the verifier) or the argmax (q None)."""
+    """One draft token from logits [V]: (token, q or None, the draft's probability of the token).
+
+    Sampled: drawn from q (returned for the verifier). Else the argmax, q None.
+    """
     if not sampled:
-        return int(logits.argmax()), None
+        token = int(logits.argmax())
+        return token, None, float(torch.softmax(logits.float(), dim=-1)[token])
     q = sampling_probs(logits, sampling)
-    return int(sample_from(q, generator)), q
+    token = int(sample_from(q, generator))
+    return token, q, float(q[token])
+
+
+def draft_confidence(logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+    """The draft distribution's probability of each chosen token, [n] from logits [n, V]."""
+    return torch.softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def pick_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator=None) -> torch.Tensor:

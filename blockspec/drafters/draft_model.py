@@ -58,14 +58,15 @@ class DraftModelDrafter:
             return Proposal.empty(self.device)
         sampled = not sampling.greedy and self.sample_drafts
         feed = self.tokens[len(self.cached_tokens):] + [last_token]
-        drafts, probs = [], []
+        drafts, probs, confidence = [], [], []
         for _ in range(num_tokens):
-            token, q = pick_draft(self._next_logits(feed), sampling, generator, sampled)
+            token, q, p = pick_draft(self._next_logits(feed), sampling, generator, sampled)
             drafts.append(token)
             probs.append(q)
+            confidence.append(p)
             feed = [token]
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
-        return Proposal(tokens, torch.stack(probs) if sampled else None)
+        return Proposal(tokens, torch.stack(probs) if sampled else None, torch.tensor(confidence))
 
     def commit(self, tokens, features):
         verified = len(self.tokens)

@@ -60,18 +60,19 @@ class RecursiveDrafter:
         hidden = self._feed_pending(last_token)[:, -1:]
         past, position, token = self.past, len(self.tokens) - 1, last_token
         sampled = not sampling.greedy and self.sample_drafts
-        drafts, probs = [], []
+        drafts, probs, confidence = [], [], []
         for step in range(num_tokens):
             if step > 0:
                 hidden, new = self.model.step(self._embed([token]), hidden, positions(position, 1, self.device), past)
                 past = _append(past, new)
             logits = self._full_vocabulary(self.model.head_logits(hidden[0, -1]).float())
-            token, q = pick_draft(logits, sampling, generator, sampled)
+            token, q, p = pick_draft(logits, sampling, generator, sampled)
             drafts.append(token)
             probs.append(q)
+            confidence.append(p)
             position += 1
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
-        return Proposal(tokens, torch.stack(probs) if sampled else None)
+        return Proposal(tokens, torch.stack(probs) if sampled else None, torch.tensor(confidence))
 
     def _feed_pending(self, last_token: int) -> torch.Tensor:
         """Put every row whose next token is known into the persistent cache; their output hidden states."""

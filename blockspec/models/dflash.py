@@ -28,7 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from blockspec.decoding.drafter import Proposal
 from blockspec.decoding.generate import positions
-from blockspec.decoding.sampling import sample_from, sampling_probs
+from blockspec.decoding.sampling import draft_confidence, sample_from, sampling_probs
 from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.models.checkpoint import (
     load_pretrained_strict,
@@ -337,9 +337,11 @@ class DFlashDrafter:
             return Proposal.empty(self.device)
         logits = self.draft_logits(last_token, num_tokens)
         if sampling.greedy or not self.sample_drafts:
-            return Proposal(logits.argmax(dim=-1))
+            tokens = logits.argmax(dim=-1)
+            return Proposal(tokens, confidence=draft_confidence(logits, tokens))
         probs = sampling_probs(logits, sampling)
-        return Proposal(sample_from(probs, generator), probs)
+        tokens = sample_from(probs, generator)
+        return Proposal(tokens, probs, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
 
     def draft_logits(self, last_token: int, num_tokens: int) -> torch.Tensor:
         """Logits [num_tokens, V] for the positions after ``last_token``, in one forward."""

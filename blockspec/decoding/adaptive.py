@@ -1,0 +1,226 @@
+"""Adaptive verify width: each step verifies the prefix of the draft that pays best.
+
+On a CPU the target's forward grows with its width, so verifying all 15 drafts of a block
+wastes time when the drafter is unsure, and a small fixed width wastes acceptance when it
+is sure. Each step, for every width w (the last token + w-1 drafts):
+
+    expected tokens(w) = 1 + sum_{j<w} prod_{k<=j} c_k,    rate(w) = tokens(w) / (T_draft + T(w))
+
+where c_k is the drafter's confidence in draft k, calibrated online against the run's own
+accept / reject history (isotonic over confidence bins), T(w) the target's forward time at
+width w (calibrated once per model and device, cached on disk, then refined by the
+measured verify times) and T_draft the measured drafting time. The width with the highest
+rate is verified. The verifier sees an ordinary (shorter) proposal, so output stays lossless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from blockspec.errors import BlockspecError
+
+#: GenerationConfig.block_size value that turns adaptive width on.
+AUTO = "auto"
+#: Weight of the newest measurement in the running averages of T(w) and T_draft.
+_EMA = 0.2
+
+
+# ---------------------------------------------------------------------------
+# Calibration of confidence against acceptance
+# ---------------------------------------------------------------------------
+
+@dataclass
+class AcceptanceCalibrator:
+    """P(draft accepted | its confidence, the drafts before it accepted), learned online.
+
+    Confidences fall into ``bins`` equal bins over [0, 1]; each bin counts the drafts the
+    verifier reached and accepted. A bin's estimate is its acceptance rate shrunk toward the
+    raw confidence by ``prior_strength`` pseudo-observations (so it starts as "trust the
+    drafter" and moves to the data), made non-decreasing in confidence by pool-adjacent-
+    violators (isotonic regression weighted by the counts).
+    """
+
+    bins: int = 20
+    prior_strength: float = 4.0
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.tried:
+            self.tried = [0.0] * self.bins
+            self.accepted = [0.0] * self.bins
+        self._table: list[float] | None = None
+
+    def observe(self, confidences, num_accepted: int) -> None:
+        """One verify: drafts 1..num_accepted were accepted, the next (if any) rejected, later ones unseen."""
+        for k, confidence in enumerate(confidences[: num_accepted + 1]):
+            b = self._bin(float(confidence))
+            self.tried[b] += 1
+            self.accepted[b] += k < num_accepted
+        self._table = None
+
+    def __call__(self, confidence: float) -> float:
+        if self._table is None:
+            self._table = self._isotonic()
+        return self._table[self._bin(confidence)]
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+
+    def _isotonic(self) -> list[float]:
+        centres = [(b + 0.5) / self.bins for b in range(self.bins)]
+        weights = [t + self.prior_strength for t in self.tried]
+        rates = [(a + self.prior_strength * c) / w for a, c, w in zip(self.accepted, centres, weights)]
+        blocks: list[list[float]] = []  # [value, weight, count] per pooled block
+        for rate, weight in zip(rates, weights):
+            blocks.append([rate, weight, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                v2, w2, n2 = blocks.pop()
+                v1, w1, n1 = blocks.pop()
+                blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+        return [value for value, _, count in blocks for _ in range(count)]
+
+    def curve(self) -> list[dict]:
+        """Per bin: the confidence range, how many drafts were tried, observed and predicted acceptance."""
+        return [{"low": b / self.bins, "high": (b + 1) / self.bins, "tried": self.tried[b],
+                 "observed": self.accepted[b] / self.tried[b] if self.tried[b] else None,
+                 "predicted": self((b + 0.5) / self.bins)} for b in range(self.bins)]
+
+
+# ---------------------------------------------------------------------------
+# The target's cost per verify width
+# ---------------------------------------------------------------------------
+
+@dataclass
+class CostModel:
+    """Seconds per target forward at each width 1..len(seconds), refined by measurements."""
+
+    seconds: list[float]
+
+    @property
+    def max_width(self) -> int:
+        return len(self.seconds)
+
+    def __call__(self, width: int) -> float:
+        return self.seconds[min(width, self.max_width) - 1]
+
+    def observe(self, width: int, seconds: float) -> None:
+        if 1 <= width <= self.max_width:
+            self.seconds[width - 1] += _EMA * (seconds - self.seconds[width - 1])
+
+
+def measure_costs(model, max_width: int, *, context_length: int = 128, repeats: int = 3) -> CostModel:
+    """T(w) for w = 1..max_width: the median of ``repeats`` forwards of w tokens after a cached context."""
+    from blockspec.decoding.generate import positions, wall_clock
+
+    device = model.device
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (1, context_length), generator=generator).to(device)
+    block = torch.randint(0, vocab, (1, max_width), generator=generator).to(device)
+    seconds = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=block[:, :1], position_ids=positions(context_length, 1, device), cache=cache,
+              use_cache=True)  # warm-up
+        cache.crop(-1)
+        for width in range(1, max_width + 1):
+            runs = []
+            for _ in range(repeats):
+                start = wall_clock(device)
+                model(input_ids=block[:, :width], position_ids=positions(context_length, width, device),
+                      cache=cache, use_cache=True, output_hidden_states=True)
+                runs.append(wall_clock(device) - start)
+                cache.crop(-width)  # back to the context
+            seconds.append(statistics.median(runs))
+    return CostModel(seconds)
+
+
+def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None) -> CostModel:
+    """The target's T(w), measured once per model, dtype, device and thread count, then read from disk."""
+    from blockspec import hub
+
+    directory = Path(cache_dir) if cache_dir is not None else hub.home_dir() / "costs"
+    path = directory / f"{_cost_key(model)}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if len(saved["seconds"]) >= max_width:
+            return CostModel(list(saved["seconds"][:max_width]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = measure_costs(model, max_width)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"seconds": costs.seconds, "what": _cost_description(model)}))
+        tmp.replace(path)
+    except OSError:  # a read-only cache only costs a new calibration next time
+        pass
+    return CostModel(list(costs.seconds))
+
+
+def _cost_description(model) -> dict:
+    config = model.config
+    return {"model": str(getattr(config, "_name_or_path", "")), "type": config.model_type,
+            "layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size,
+            "dtype": str(next(model.parameters()).dtype), "device": str(model.device),
+            "threads": torch.get_num_threads() if model.device.type == "cpu" else None}
+
+
+def _cost_key(model) -> str:
+    return hashlib.sha256(json.dumps(_cost_description(model), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------
+# The policy
+# ---------------------------------------------------------------------------
+
+class AdaptiveWidth:
+    """Chooses each step's verify width from the draft's confidences, and learns from the verdict."""
+
+    def __init__(self, costs: CostModel, calibrator: AcceptanceCalibrator | None = None):
+        self.costs = costs
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self.draft_seconds: float | None = None
+        #: Width chosen at each step, for the benchmark's histogram.
+        self.widths: list[int] = []
+
+    def expected_tokens(self, confidences) -> list[float]:
+        """Expected tokens a verify of width w produces, for w = 1..len(confidences)+1."""
+        expected, reach = [1.0], 1.0
+        for confidence in confidences:
+            reach *= self.calibrator(float(confidence))
+            expected.append(expected[-1] + reach)
+        return expected
+
+    def choose(self, confidences) -> int:
+        draft = self.draft_seconds or 0.0
+        expected = self.expected_tokens(confidences)
+        rates = [tokens / (draft + self.costs(w)) for w, tokens in enumerate(expected, start=1)]
+        width = max(range(len(rates)), key=rates.__getitem__) + 1
+        self.widths.append(width)
+        return width
+
+    def observe(self, confidences, num_accepted: int, verify_seconds: float, width: int,
+                draft_seconds: float) -> None:
+        self.calibrator.observe(confidences, num_accepted)
+        self.costs.observe(width, verify_seconds)
+        self.draft_seconds = draft_seconds if self.draft_seconds is None else \
+            self.draft_seconds + _EMA * (draft_seconds - self.draft_seconds)
+
+
+def check_block_size(value) -> None:
+    if value is None or value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BlockspecError(f"block_size must be a whole number >= 1 or 'auto', got {value!r}")
+    if value < 1:
+        raise BlockspecError(f"block_size must be >= 1 or 'auto', got {value}")

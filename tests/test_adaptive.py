@@ -1,0 +1,187 @@
+"""Adaptive verify width: lossless, calibrated against acceptance, and choosing by the cost model."""
+
+import random
+
+import pytest
+import torch
+from conftest import make_dflash
+from test_drafters import perturbed_copy, repetitive_prompts
+from test_lossless import MAX_NEW, hf_greedy, prompts
+from test_recursive import make_recursive
+from test_sampling import PASS, SAMPLES, chi_square_pvalue, exact_joint, sampled_joint
+from tiny_models import make_causal_lm
+
+import blockspec.decoding.adaptive as adaptive
+import blockspec.decoding.generate as generate_module
+from blockspec.cli import main
+from blockspec.decoding.adaptive import AcceptanceCalibrator, AdaptiveWidth, CostModel, cost_model_for
+from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.sampling import SamplingConfig
+from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter
+from blockspec.drafters.recursive import RecursiveDrafter
+from blockspec.errors import BlockspecError
+from blockspec.models.dflash import DFlashDrafter
+
+
+@pytest.fixture(autouse=True)
+def private_cost_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path / "home"))
+
+
+def run(target, ids, drafter, block_size):
+    stream = speculative_generate(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW,
+                                                                          block_size=block_size))
+    list(stream)
+    return stream
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def world(request):
+    target = make_causal_lm(request.param, vocab_size=320).double()
+    cases = prompts(320, count=10, seed=21) + repetitive_prompts(320, 10, seed=22)
+    return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in cases]
+
+
+def make_drafter(kind, target):
+    if kind == "dflash":
+        model = make_dflash(target, block_size=8)
+        with torch.no_grad():  # confident (if mostly wrong) drafts, so that the chosen width varies
+            model.norm.weight.mul_(20.0)
+        return DFlashDrafter(model, target)
+    if kind == "eagle3":
+        model = make_recursive("eagle3", target)
+        with torch.no_grad():
+            model.norm.weight.mul_(20.0)
+        return RecursiveDrafter(model, target, name="eagle3", block_size=6)
+    if kind == "draft":
+        return DraftModelDrafter(perturbed_copy(target), target, block_size=6)
+    return PromptLookupDrafter(block_size=6)
+
+
+def mid_width_costs(max_width):
+    """Costs under which the width that pays depends on the draft's confidence."""
+    return CostModel([1.0 + 0.03 * w for w in range(max_width)])
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "draft", "ngram"])
+def test_auto_width_is_lossless_and_varies(world, kind, monkeypatch):
+    target, references = world
+    monkeypatch.setattr(generate_module, "cost_model_for", lambda model, width: mid_width_costs(width))
+    drafter = make_drafter(kind, target)
+    widths = set()
+    for ids, expected in references:
+        stream = run(target, ids, drafter, "auto")
+        assert stream.token_ids == expected
+        assert all(1 <= n <= stream.block_size for n in stream.stats.acceptance_lengths)
+        chosen = stream.width_policy.widths  # one per step that had drafts to cut
+        assert [w for w in chosen if w > 1] == [d + 1 for d in stream.stats.drafted if d > 0]
+        widths.update(chosen)
+    assert len(widths) > 1, widths
+
+
+def test_auto_needs_a_drafter_and_other_values_are_refused():
+    target = make_causal_lm("llama", vocab_size=320)
+    with pytest.raises(BlockspecError, match="'auto' needs a drafter"):
+        speculative_generate(target, torch.tensor([[5, 6]]), None, GenerationConfig(block_size="auto"))
+    with pytest.raises(BlockspecError, match="whole number >= 1 or 'auto'"):
+        GenerationConfig(block_size="big")
+    with pytest.raises(BlockspecError, match=">= 1 or 'auto'"):
+        GenerationConfig(block_size=0)
+
+
+def test_the_calibration_converges_to_the_true_acceptance():
+    """A synthetic drafter whose draft k is accepted with probability conf**2."""
+    rng = random.Random(0)
+    calibrator = AcceptanceCalibrator()
+    for _ in range(20000):
+        confidences = [rng.random() for _ in range(6)]
+        accepted = 0
+        while accepted < 6 and rng.random() < confidences[accepted] ** 2:
+            accepted += 1
+        calibrator.observe(confidences, accepted)
+    for confidence in (0.15, 0.35, 0.55, 0.75, 0.95):
+        low = int(confidence * 20) / 20  # the bin's mean of conf**2
+        truth = ((low + 0.05) ** 3 - low ** 3) / 3 / 0.05
+        assert calibrator(confidence) == pytest.approx(truth, abs=0.04), confidence
+    table = [row["predicted"] for row in calibrator.curve()]
+    assert table == sorted(table)  # isotonic
+
+
+def test_an_uncalibrated_drafter_starts_from_its_own_confidence():
+    calibrator = AcceptanceCalibrator()
+    assert calibrator(0.925) == pytest.approx(0.925)
+    assert calibrator(0.025) == pytest.approx(0.025)
+
+
+def test_the_policy_maximises_tokens_per_second():
+    costs = CostModel([1.0, 1.1, 1.2, 1.3, 1.4, 1.5])
+    sure = AdaptiveWidth(costs)
+    assert sure.choose([0.99] * 5) == 6
+    unsure = AdaptiveWidth(costs)
+    assert unsure.choose([0.02] * 5) == 1
+    expensive = AdaptiveWidth(CostModel([1.0, 3.0, 3.1, 3.2]))
+    assert expensive.choose([0.6, 0.6, 0.6]) == 1  # 1.6 tokens at 3x the cost does not pay
+    assert AdaptiveWidth(CostModel([1.0, 1.05, 1.1, 3.0])).choose([0.9, 0.9, 0.9]) == 3
+    policy = AdaptiveWidth(CostModel([1.0, 2.0]))
+    policy.observe([0.5], 1, verify_seconds=4.0, width=2, draft_seconds=0.5)
+    assert policy.costs(2) == pytest.approx(2.4) and policy.draft_seconds == 0.5
+
+
+def test_the_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
+    target = make_causal_lm("llama", vocab_size=320)
+    first = cost_model_for(target, 6, cache_dir=tmp_path)
+    assert first.max_width == 6 and all(s > 0 for s in first.seconds)
+
+    def no_second_measurement(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(adaptive, "measure_costs", no_second_measurement)
+    assert cost_model_for(target, 4, cache_dir=tmp_path).seconds == first.seconds[:4]
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_sampling_with_auto_width_follows_the_target(monkeypatch):
+    from test_sampling import VOCAB
+
+    target = make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+    drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5), target)
+    monkeypatch.setattr(generate_module, "cost_model_for", lambda model, width: mid_width_costs(width))
+    sampling = SamplingConfig(temperature=1.0)
+    import test_sampling
+
+    original = generate_module.GenerationConfig  # the distribution test's configs, with block_size "auto"
+    monkeypatch.setattr(test_sampling, "GenerationConfig", lambda **kw: original(**{**kw, "block_size": "auto"}))
+    probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
+    counts = sampled_joint(target, drafter, sampling, SAMPLES)
+    assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
+
+
+def test_cli_takes_auto(tiny_target_dir, tiny_draft_dir, capsys):
+    import json
+
+    assert main(["generate", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--block-size",
+                 "auto", "--json", "--max-new-tokens", "8", "hello"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) <= 8
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", str(tiny_target_dir), "--block-size", "wide", "hello"])
+    assert "expected a whole number or 'auto'" in capsys.readouterr().err
+
+
+def test_bench_compares_fixed_and_auto_widths_of_one_drafter(tiny_target_dir, tiny_draft_dir, tmp_path):
+    import json
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "the quick brown"]))
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
+                 str(prompts_file), "--methods", "dflash@2,dflash@4,dflash@auto", "--max-new-tokens", "12",
+                 "--out", str(out), "--no-progress", "--warmup-tokens", "2"]) == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    figures = next(iter(summary.values()))
+    assert set(figures) == {"ar", "dflash@2", "dflash@4", "dflash@auto"}
+    assert set(figures["dflash@2"]["verify_width_histogram"]) <= {"1", "2"}  # 1: a last step with no room
+    assert max(int(w) for w in figures["dflash@auto"]["verify_width_histogram"]) <= 8
+    assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
+                 str(prompts_file), "--methods", "dflash@0", "--out", str(out)]) == 2
