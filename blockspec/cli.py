@@ -61,12 +61,9 @@ def block_size_arg(value: str):
     if value == "auto":
         return value
     try:
-        size = int(value)
+        return int(value)  # the range is checked with the other decoding values
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {value!r}") from None
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {size}")
-    return size
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

@@ -158,5 +158,7 @@ def test_bad_input_is_refused_clearly(target):
         engine.add(torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(BlockspecError, match="needs a drafter"):
         engine.add([5, 6], GenerationConfig(block_size=4))
+    with pytest.raises(BlockspecError, match="batched decoding verifies a fixed width"):
+        BatchEngine(target, drafter_factory(PromptLookupDrafter())).add([5, 6], GenerationConfig(block_size="auto"))
     with pytest.raises(BlockspecError, match="one each"):
         batch_generate(target, [[5, 6]], None, [GenerationConfig()] * 2)

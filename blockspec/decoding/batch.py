@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 import torch
 from transformers import DynamicCache
 
+from blockspec.decoding.adaptive import AUTO
 from blockspec.decoding.drafter import Drafter, Proposal
 from blockspec.decoding.generate import (GenerationConfig, GenerationStats, Step, _as_batch_of_one, _fit_to_context,
                                          record_step, resolve_block_size, wall_clock)
@@ -240,6 +241,9 @@ class BatchEngine:
     def add(self, input_ids, config: GenerationConfig | None = None) -> BatchRow:
         """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step."""
         config = config or GenerationConfig()
+        if config.block_size == AUTO:
+            raise BlockspecError("block_size 'auto' chooses widths for one sequence at a time; batched decoding "
+                                 "verifies a fixed width: give a number")
         ids = _as_batch_of_one(input_ids, self.device)
         drafter = self.make_drafter() if self.make_drafter is not None else None
         row = BatchRow(
