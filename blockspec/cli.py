@@ -71,6 +71,10 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=block_size_arg, default=None,
                         help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by "
                              "the cost model from the draft's confidence) (default: the drafter's trained size)")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="verify a token tree of this many draft nodes per step (dflash; e.g. 16, 32, 64) "
+                             "instead of one chain")
+    parser.add_argument("--tree-top-k", type=int, default=4, help="children per tree node at most (default 4)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -174,7 +178,8 @@ def generation_config(args):
     from blockspec.decoding.generate import GenerationConfig
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            tree_budget=args.tree_budget, tree_top_k=args.tree_top_k)
 
 
 def load_models(args):

@@ -58,9 +58,16 @@ def make_drafter(kind, target):
     return PromptLookupDrafter(block_size=6)
 
 
+class FixedCosts(CostModel):
+    """Synthetic costs, kept as they are (not refined by this machine's real verify times)."""
+
+    def observe(self, width, seconds):
+        pass
+
+
 def mid_width_costs(max_width):
     """Costs under which the width that pays depends on the draft's confidence."""
-    return CostModel([1.0 + 0.03 * w for w in range(max_width)])
+    return FixedCosts([1.0 + 0.03 * w for w in range(max_width)])
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "draft", "ngram"])
@@ -73,7 +80,7 @@ def test_auto_width_is_lossless_and_varies(world, kind, monkeypatch):
         stream = run(target, ids, drafter, "auto")
         assert stream.token_ids == expected
         assert all(1 <= n <= stream.block_size for n in stream.stats.acceptance_lengths)
-        chosen = stream.width_policy.widths  # one per step that had drafts to cut
+        chosen = stream.widths  # one per step that had drafts to cut
         assert [w for w in chosen if w > 1] == [d + 1 for d in stream.stats.drafted if d > 0]
         widths.update(chosen)
     assert len(widths) > 1, widths
@@ -176,12 +183,14 @@ def test_bench_compares_fixed_and_auto_widths_of_one_drafter(tiny_target_dir, ti
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "the quick brown"]))
     out = tmp_path / "bench"
     assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
-                 str(prompts_file), "--methods", "dflash@2,dflash@4,dflash@auto", "--max-new-tokens", "12",
+                 str(prompts_file), "--methods", "dflash@2,dflash@4,dflash@auto,dflash@t6", "--max-new-tokens", "12",
                  "--out", str(out), "--no-progress", "--warmup-tokens", "2"]) == 0
     summary = json.loads((out / "results.json").read_text())["summary"]
     figures = next(iter(summary.values()))
-    assert set(figures) == {"ar", "dflash@2", "dflash@4", "dflash@auto"}
+    assert set(figures) == {"ar", "dflash@2", "dflash@4", "dflash@auto", "dflash@t6"}
     assert set(figures["dflash@2"]["verify_width_histogram"]) <= {"1", "2"}  # 1: a last step with no room
     assert max(int(w) for w in figures["dflash@auto"]["verify_width_histogram"]) <= 8
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert any("chain" in name for name in calibration) and (out / "calibration.png").is_file()
     assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
                  str(prompts_file), "--methods", "dflash@0", "--out", str(out)]) == 2

@@ -27,7 +27,7 @@ def add_bench_command(commands) -> None:
     models.add_argument("--methods", default=None,
                         help="comma-separated: ar, hf, hf-prompt-lookup, hf-assisted, and the drafters "
                              "dflash, eagle3, mtp, draft, ngram, each also as METHOD@WIDTH with its own verify "
-                             "width, e.g. dflash@4,dflash@16,dflash@auto (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a "
+                             "width, e.g. dflash@4,dflash@16,dflash@auto, or with a token tree of N nodes, dflash@t32 (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a "
                              "DFlash drafter is known, plus draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
                         help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for eagle3, mtp, draft "
@@ -88,6 +88,7 @@ def run_bench_command(args) -> int:
           file=sys.stderr)
     run = run_benchmark(target, methods, prompts, config, progress=not args.no_progress)
     paths = report.write_outputs(run, out, plots=not args.no_plots)
+    paths.update(write_calibration(methods, out, plots=not args.no_plots))
     summary = report.summarize(run.records, run.methods)
     print(report.markdown_table(summary), end="")
     for kind, path in paths.items():
@@ -103,6 +104,26 @@ def run_bench_command(args) -> int:
                   file=sys.stderr)
         return 1
     return 0
+
+
+def write_calibration(methods, out: Path, *, plots: bool) -> dict[str, Path]:
+    """The adaptive-width policies' confidence calibration (predicted vs observed acceptance), if any ran."""
+    curves = {}
+    for drafter in dict.fromkeys(getattr(m, "drafter", None) for m in methods if getattr(m, "drafter", None)):
+        for (kind, widest), policy in getattr(drafter, "width_policies", {}).items():
+            curves[f"{drafter.name} {kind} (widest {widest})"] = policy.calibrator.curve()
+    if not curves:
+        return {}
+    import json
+
+    path = out / "calibration.json"
+    path.write_text(json.dumps(curves, indent=1))
+    paths = {"calibration": path}
+    if plots:
+        from blockspec.bench.plots import calibration_plot
+
+        paths["calibration_plot"] = calibration_plot(curves, out / "calibration.png")
+    return paths
 
 
 def load_prompts(datasets, data_dir, num_prompts, seed) -> list[dict]:

@@ -49,16 +49,21 @@ class Method(Protocol):
 class LoopMethod:
     """blockspec's loop: autoregressive without a drafter, speculative with one."""
 
-    def __init__(self, name: str, model, drafter=None, block_size: int | str | None = None):
+    def __init__(self, name: str, model, drafter=None, block_size: int | str | None = None,
+                 tree_budget: int | None = None):
         self.name = name
         self.model = model
         self.drafter = drafter
-        #: This method's own verify width (``dflash@8``, ``dflash@auto``), over the run's.
+        #: This method's own verify width (``dflash@8``, ``dflash@auto``) or tree budget
+        #: (``dflash@t32``), over the run's.
         self.block_size = block_size
+        self.tree_budget = tree_budget
 
     def decode(self, prompt_ids, config):
         if self.block_size is not None:
             config = dataclasses.replace(config, block_size=self.block_size)
+        if self.tree_budget is not None:
+            config = dataclasses.replace(config, tree_budget=self.tree_budget)
         with MemoryMeter(self.model.device) as memory:
             stream = speculative_generate(self.model, torch.tensor([prompt_ids]), self.drafter, config)
             for _ in stream:
@@ -195,7 +200,8 @@ def parse_width(name: str, width: str) -> int | str:
     if width == "auto":
         return width
     if not width.isdigit() or int(width) < 1:
-        raise BlockspecError(f"benchmark method {name!r}: after '@' give a verify width >= 1 or 'auto'")
+        raise BlockspecError(f"benchmark method {name!r}: after '@' give a verify width >= 1, 'auto', "
+                             "or t and a tree budget (dflash@t32)")
     return int(width)
 
 
@@ -226,7 +232,11 @@ def build_methods(names, target, *, drafters: dict | None = None, assistant=None
             methods.append(LoopMethod(name, target.model, drafters[name]))
         elif "@" in name and name.partition("@")[0] in drafters:
             base, _, width = name.partition("@")
-            methods.append(LoopMethod(name, target.model, drafters[base], block_size=parse_width(name, width)))
+            if width.startswith("t") and width[1:] != "auto":
+                methods.append(LoopMethod(name, target.model, drafters[base],
+                                          tree_budget=parse_width(name, width[1:])))
+            else:
+                methods.append(LoopMethod(name, target.model, drafters[base], block_size=parse_width(name, width)))
         else:
             known = list(BASELINES) + ["hf-assisted"] + list(drafters)
             raise BlockspecError(f"unknown benchmark method {name!r}: choose from {', '.join(known)}")

@@ -94,6 +94,26 @@ def _speedup_bars(summary, datasets):
     return figure
 
 
+def calibration_plot(curves: dict, path: Path) -> Path:
+    """Observed acceptance against the calibrated prediction, per confidence bin (size: drafts tried)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    figure, axes = _panels(1, "Draft confidence calibrated against acceptance")
+    axis = axes[0]
+    axis.plot([0, 1], [0, 1], color="#bbbbbb", linewidth=0.8, label="raw confidence")
+    for name, bins in curves.items():
+        centres = [(b["low"] + b["high"]) / 2 for b in bins]
+        line, = axis.plot(centres, [b["predicted"] for b in bins], label=f"{name}: calibrated")
+        seen = [(c, b) for c, b in zip(centres, bins) if b["tried"]]
+        total = max((b["tried"] for _, b in seen), default=1)
+        axis.scatter([c for c, _ in seen], [b["observed"] for _, b in seen], color=line.get_color(),
+                     s=[8 + 80 * b["tried"] / total for _, b in seen], alpha=0.6, label=f"{name}: observed")
+    axis.set(xlabel="draft confidence", ylabel="P(accepted | reached)", xlim=(0, 1), ylim=(0, 1.02))
+    axis.legend(fontsize=7)
+    return _save(figure, path)
+
+
 def _save(figure, path: Path) -> Path:
     import matplotlib.pyplot as plt
 

@@ -8,8 +8,8 @@ is sure. Each step, for every width w (the last token + w-1 drafts):
 
 where c_k is the drafter's confidence in draft k, calibrated online against the run's own
 accept / reject history (isotonic over confidence bins), T(w) the target's forward time at
-width w (calibrated once per model and device, cached on disk, then refined by the
-measured verify times) and T_draft the measured drafting time. The width with the highest
+width w (calibrated once per model and device, cached on disk, then scaled by how the
+measured verify times compare with it) and T_draft the measured drafting time. The width with the highest
 rate is verified. The verifier sees an ordinary (shorter) proposal, so output stays lossless.
 """
 
@@ -66,6 +66,14 @@ class AcceptanceCalibrator:
             self.accepted[b] += k < num_accepted
         self._table = None
 
+    def observe_candidates(self, confidences, accepted_index: int | None) -> None:
+        """One tree level: candidate children tried together, at most one of them accepted."""
+        for i, confidence in enumerate(confidences):
+            b = self._bin(float(confidence))
+            self.tried[b] += 1
+            self.accepted[b] += i == accepted_index
+        self._table = None
+
     def __call__(self, confidence: float) -> float:
         if self._table is None:
             self._table = self._isotonic()
@@ -100,20 +108,26 @@ class AcceptanceCalibrator:
 
 @dataclass
 class CostModel:
-    """Seconds per target forward at each width 1..len(seconds), refined by measurements."""
+    """Seconds per target forward at each width 1..len(seconds), as calibrated, times a running scale.
+
+    Measured verify times move one scale factor shared by all widths (the machine got busier
+    or quieter) rather than each width's own figure: refining only the widths that get chosen
+    would let a lucky measurement lock the policy onto one width.
+    """
 
     seconds: list[float]
+    scale: float = 1.0
 
     @property
     def max_width(self) -> int:
         return len(self.seconds)
 
     def __call__(self, width: int) -> float:
-        return self.seconds[min(width, self.max_width) - 1]
+        return self.seconds[min(width, self.max_width) - 1] * self.scale
 
     def observe(self, width: int, seconds: float) -> None:
-        if 1 <= width <= self.max_width:
-            self.seconds[width - 1] += _EMA * (seconds - self.seconds[width - 1])
+        if 1 <= width <= self.max_width and self.seconds[width - 1] > 0:
+            self.scale += _EMA * (seconds / self.seconds[width - 1] - self.scale)
 
 
 def measure_costs(model, max_width: int, *, context_length: int = 128, repeats: int = 3) -> CostModel:
@@ -190,8 +204,6 @@ class AdaptiveWidth:
         self.costs = costs
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.draft_seconds: float | None = None
-        #: Width chosen at each step, for the benchmark's histogram.
-        self.widths: list[int] = []
 
     def expected_tokens(self, confidences) -> list[float]:
         """Expected tokens a verify of width w produces, for w = 1..len(confidences)+1."""
@@ -205,13 +217,37 @@ class AdaptiveWidth:
         draft = self.draft_seconds or 0.0
         expected = self.expected_tokens(confidences)
         rates = [tokens / (draft + self.costs(w)) for w, tokens in enumerate(expected, start=1)]
-        width = max(range(len(rates)), key=rates.__getitem__) + 1
-        self.widths.append(width)
-        return width
+        return max(range(len(rates)), key=rates.__getitem__) + 1
+
+    def choose_tree_size(self, confidences, parents) -> int:
+        """How many of a tree's nodes (listed best first, parents before children) to verify.
+
+        A node is accepted only if its whole path is, and siblings exclude each other, so the
+        expected accepted length of the first b nodes is the sum of their path reach.
+        """
+        draft = self.draft_seconds or 0.0
+        reach, expected, best, best_rate = [], 1.0, 0, 1.0 / (draft + self.costs(1))
+        for node, (confidence, parent) in enumerate(zip(confidences, parents)):
+            reach.append(self.calibrator(float(confidence)) * (reach[parent] if parent >= 0 else 1.0))
+            expected += reach[-1]
+            rate = expected / (draft + self.costs(node + 2))
+            if rate > best_rate:
+                best, best_rate = node + 1, rate
+        return best
 
     def observe(self, confidences, num_accepted: int, verify_seconds: float, width: int,
                 draft_seconds: float) -> None:
         self.calibrator.observe(confidences, num_accepted)
+        self._observe_times(width, verify_seconds, draft_seconds)
+
+    def observe_tree(self, levels, verify_seconds: float, width: int, draft_seconds: float) -> None:
+        """``levels``: per tree level walked, (the children's confidences, the accepted child's index or None)."""
+        for confidences, accepted in levels:
+            if confidences:
+                self.calibrator.observe_candidates(confidences, accepted)
+        self._observe_times(width, verify_seconds, draft_seconds)
+
+    def _observe_times(self, width: int, verify_seconds: float, draft_seconds: float) -> None:
         self.costs.observe(width, verify_seconds)
         self.draft_seconds = draft_seconds if self.draft_seconds is None else \
             self.draft_seconds + _EMA * (draft_seconds - self.draft_seconds)

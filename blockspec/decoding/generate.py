@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from blockspec.decoding.adaptive import AUTO, AdaptiveWidth, check_block_size, cost_model_for
 from blockspec.decoding.drafter import Drafter, Proposal
 from blockspec.decoding.sampling import SamplingConfig, pick_tokens
+from blockspec.decoding.tree import build_tree, keep_path, tree_attention_mask, tree_position_ids, verify_tree
 from blockspec.decoding.verifier import verify
 from blockspec.errors import BlockspecError
 
@@ -31,11 +32,19 @@ class GenerationConfig:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    #: Tree verification: draft nodes per step (None: a chain), children per node at most.
+    tree_budget: int | None = None
+    tree_top_k: int = 4
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise BlockspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         check_block_size(self.block_size)
+        if self.tree_budget is not None and self.tree_budget < 1:
+            raise BlockspecError(f"tree_budget must be >= 1 draft nodes, got {self.tree_budget}")
+        if self.tree_top_k < 1:
+            raise BlockspecError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+
         self.sampling  # validates the sampling values
 
     @property
@@ -99,8 +108,13 @@ class TokenStream:
         self.config = config
         self.block_size = resolve_block_size(drafter, config.block_size)
         #: The adaptive width policy with --block-size auto (its ``widths`` say what it chose).
-        self.width_policy = AdaptiveWidth(cost_model_for(target_model, self.block_size)) \
-            if config.block_size == AUTO else None
+        #: With "auto", the policy choosing each step's width (or, with a tree, how many nodes);
+        #: ``widths`` records this stream's choices.
+        self.width_policy = shared_width_policy(target_model, drafter, config) if config.block_size == AUTO else None
+        self.widths: list[int] = []
+        if config.tree_budget and not hasattr(drafter, "draft_logits"):
+            raise BlockspecError("tree verification drafts from one pass's per-position distributions: it needs "
+                                 f"the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
         self.max_new_tokens = _fit_to_context(target_model, self.input_ids.shape[1], config.max_new_tokens)
         self.stats = GenerationStats(prompt_tokens=self.input_ids.shape[1])
         self.token_ids: list[int] = []
@@ -127,27 +141,62 @@ class TokenStream:
 
         position = self.input_ids.shape[1]  # where `token` goes; the cache holds everything before it
         while not self.stats.finish_reason:
-            remaining = self.max_new_tokens - len(self.token_ids)
-            drafting = wall_clock(self.model.device) if self.width_policy else 0.0
-            proposal = self._propose(token, min(self.block_size - 1, remaining - 1), sampling, generator)
-            proposal, confidences, verifying = self._choose_width(proposal, drafting)
-            block = torch.cat([torch.tensor([token], device=self.model.device), proposal.tokens]).unsqueeze(0)
-            out = self.model(input_ids=block, position_ids=positions(position, block.shape[1], block.device),
-                             cache=cache, use_cache=True, output_hidden_states=wants_features)
-            verdict = verify(proposal.tokens, out.logits[0], sampling, proposal.probs, generator)
-            if self.width_policy is not None and confidences:
-                self.width_policy.observe(confidences, verdict.num_accepted, wall_clock(self.model.device) - verifying,
-                                          block.shape[1], verifying - drafting)
-            kept = verdict.num_accepted + 1  # the last token and the accepted drafts enter the cache
-            cache.crop(kept - block.shape[1])
-            if self.drafter is not None:
-                features = self._features(out)[:, :kept] if wants_features else None
-                self.drafter.commit(block[:, :kept], features)
-            position += kept
-            token = verdict.next_token
-            new_tokens = proposal.tokens[: verdict.num_accepted].tolist() + [token]
-            step = Step(new_tokens, len(proposal.tokens), verdict.num_accepted)
+            depth = min(self.block_size - 1, self.max_new_tokens - len(self.token_ids) - 1)
+            if self.config.tree_budget and depth > 0:
+                step = self._tree_step(token, position, depth, cache, sampling, generator, wants_features)
+            else:
+                step = self._chain_step(token, position, depth, cache, sampling, generator, wants_features)
+            position += step.num_accepted + 1  # the last token and the accepted drafts entered the cache
+            token = step.tokens[-1]
             yield self._record(step, stop_ids, start_time, decode=True)
+
+    def _chain_step(self, token, position, num_drafts, cache, sampling, generator, wants_features) -> Step:
+        """Draft a chain, verify it in one forward, keep the accepted prefix."""
+        drafting = wall_clock(self.model.device) if self.width_policy else 0.0
+        proposal = self._propose(token, num_drafts, sampling, generator)
+        proposal, confidences, verifying = self._choose_width(proposal, drafting)
+        block = torch.cat([torch.tensor([token], device=self.model.device), proposal.tokens]).unsqueeze(0)
+        out = self.model(input_ids=block, position_ids=positions(position, block.shape[1], block.device),
+                         cache=cache, use_cache=True, output_hidden_states=wants_features)
+        verdict = verify(proposal.tokens, out.logits[0], sampling, proposal.probs, generator)
+        if self.width_policy is not None and confidences:
+            self.width_policy.observe(confidences, verdict.num_accepted, wall_clock(self.model.device) - verifying,
+                                      block.shape[1], verifying - drafting)
+        kept = verdict.num_accepted + 1
+        cache.crop(kept - block.shape[1])
+        self._commit(block[:, :kept], out, list(range(kept)) if wants_features else None)
+        new_tokens = proposal.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+        return Step(new_tokens, len(proposal.tokens), verdict.num_accepted)
+
+    def _tree_step(self, token, position, depth, cache, sampling, generator, wants_features) -> Step:
+        """Draft a token tree from one draft pass, verify every node in one forward, keep the accepted path."""
+        drafting = wall_clock(self.model.device) if self.width_policy else 0.0
+        probs = torch.softmax(self.drafter.draft_logits(token, depth).float(), dim=-1)
+        tree = build_tree(probs, self.config.tree_budget, self.config.tree_top_k)
+        if self.width_policy is not None:
+            verifying = wall_clock(self.model.device)
+            confidences = [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
+            tree = tree.first(self.width_policy.choose_tree_size(confidences, tree.parents))
+            self.widths.append(len(tree) + 1)
+        block = torch.tensor([[token] + tree.tokens], device=self.model.device)
+        out = self.model(input_ids=block, position_ids=tree_position_ids(tree, position, block.device),
+                         attention_mask=tree_attention_mask(tree, position, self.model.dtype, block.device),
+                         cache=cache, use_cache=True, output_hidden_states=wants_features)
+        verdict = verify_tree(tree, out.logits[0], sampling, generator)
+        if self.width_policy is not None:
+            self.width_policy.observe_tree(tree.walked_levels(verdict.path, confidences),
+                                           wall_clock(self.model.device) - verifying, block.shape[1],
+                                           verifying - drafting)
+        kept_rows = [0] + [1 + node for node in verdict.path]
+        keep_path(cache, position, kept_rows)
+        self._commit(block[:, kept_rows], out, kept_rows if wants_features else None)
+        new_tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+        return Step(new_tokens, max(tree.depths, default=0), len(verdict.path))
+
+    def _commit(self, kept_ids, out, feature_rows) -> None:
+        if self.drafter is not None:
+            features = self._features(out)[:, feature_rows] if feature_rows is not None else None
+            self.drafter.commit(kept_ids, features)
 
     def _propose(self, token, num_tokens, sampling, generator) -> Proposal:
         if self.drafter is None or num_tokens <= 0:
@@ -161,6 +210,7 @@ class TokenStream:
         verifying = wall_clock(self.model.device)
         confidences = proposal.confidences()
         width = self.width_policy.choose(confidences)
+        self.widths.append(width)
         return proposal.truncated(width - 1), confidences[: width - 1], verifying
 
     def _features(self, out) -> torch.Tensor:
@@ -210,6 +260,19 @@ def speculative_generate(target_model, input_ids, drafter: Drafter | None = None
                          config: GenerationConfig | None = None) -> TokenStream:
     """A lazy stream of decoding steps; without a drafter, plain autoregressive decoding."""
     return TokenStream(target_model, input_ids, drafter, config or GenerationConfig())
+
+
+def shared_width_policy(target_model, drafter, config: GenerationConfig) -> AdaptiveWidth:
+    """The drafter's adaptive-width policy, kept on the drafter so its calibration carries over prompts.
+
+    With a tree, "auto" chooses how many of its nodes to verify (costs up to budget + 1 wide).
+    """
+    widest = config.tree_budget + 1 if config.tree_budget else resolve_block_size(drafter, AUTO)
+    key = ("tree" if config.tree_budget else "chain", widest)
+    policies = drafter.__dict__.setdefault("width_policies", {})
+    if key not in policies:
+        policies[key] = AdaptiveWidth(cost_model_for(target_model, widest))
+    return policies[key]
 
 
 def resolve_block_size(drafter: Drafter | None, requested: int | str | None) -> int:

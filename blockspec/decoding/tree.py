@@ -1,0 +1,164 @@
+"""Tree verification: many candidate continuations from ONE draft pass, checked in ONE target forward.
+
+DFlash predicts every block position in one forward, so besides its argmax chain it offers
+the top-k tokens of each position. ``build_tree`` keeps the ``budget`` nodes whose paths have
+the highest joint draft probability (a child's path is never more probable than its
+parent's, so the best nodes always form a tree). The target verifies all nodes at once: a
+4D attention mask lets each node see the cached context, the root and its own ancestors
+only, and each node's position id is its depth after the root.
+
+Acceptance walks down from the root. Greedy: follow the child whose token is the target's
+argmax. Sampling: the children of a node are fixed candidates c1, c2, ... tried in turn;
+c_i is accepted with probability p_i(c_i), where p_1 = p and p_{i+1} is p_i with c_i
+removed and renormalised; if none is accepted the token is drawn from the last p_i. The
+token emitted is then distributed exactly as p (the first candidate with probability
+p(c1); the next, (1 - p(c1)) * p(c2) / (1 - p(c1)); and so on), so the output follows the
+target's distribution. Only the accepted path's KV entries and features are kept.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.decoding.sampling import SamplingConfig, sample_from, sampling_probs
+from blockspec.errors import BlockspecError
+
+
+@dataclass
+class Tree:
+    """Draft nodes in the order the target sees them (after the root, the last verified token).
+
+    ``parents[i]`` is the index of node i's parent among the nodes, -1 for the root;
+    ``depths[i]`` is 1 for the root's children. Parents always come before their children.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self, node: int) -> list[int]:
+        """Node indices whose parent is ``node`` (-1: the root), most probable first."""
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def first(self, count: int) -> "Tree":
+        """The first ``count`` nodes: still a tree, since parents come before their children."""
+        return Tree(self.tokens[:count], self.parents[:count], self.depths[:count])
+
+    def walked_levels(self, path: list[int], confidences) -> list[tuple[list[float], int | None]]:
+        """For each node the verifier stood on (root, then the path): its children's confidences and
+        the index among them of the one accepted (None at the last)."""
+        levels = []
+        for here, following in zip([-1] + path, path + [None]):
+            children = self.children(here)
+            accepted = children.index(following) if following is not None else None
+            levels.append(([confidences[c] for c in children], accepted))
+        return levels
+
+    def ancestors(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def build_tree(draft_probs: torch.Tensor, budget: int, top_k: int = 4) -> Tree:
+    """The ``budget`` most probable nodes from per-position draft distributions [depth, V]."""
+    if budget < 1:
+        raise BlockspecError(f"tree budget must be >= 1, got {budget}")
+    depth = draft_probs.shape[0]
+    k = min(top_k, draft_probs.shape[-1])
+    top = torch.topk(draft_probs.float(), k, dim=-1)
+    values, indices = top.values.tolist(), top.indices.tolist()
+    tokens, parents, depths = [], [], []
+    # heap of (-path probability, tie-breaker, parent node, depth index, rank among the top-k)
+    frontier = [(-values[0][r], r, -1, 0, r) for r in range(k)]
+    heapq.heapify(frontier)
+    counter = k
+    while frontier and len(tokens) < budget:
+        negative, _, parent, level, rank = heapq.heappop(frontier)
+        node = len(tokens)
+        tokens.append(indices[level][rank])
+        parents.append(parent)
+        depths.append(level + 1)
+        if level + 1 < depth:
+            for child_rank in range(k):
+                counter += 1
+                heapq.heappush(frontier, (negative * values[level + 1][child_rank], counter, node, level + 1,
+                                          child_rank))
+    return Tree(tokens, parents, depths)
+
+
+def tree_attention_mask(tree: Tree, past_length: int, dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, 1 + n, past + 1 + n]: the root and each node see the context and their own path."""
+    size = 1 + len(tree)
+    visible = torch.zeros(size, past_length + size, dtype=torch.bool)
+    visible[:, :past_length + 1] = True  # the context and the root
+    for node in range(len(tree)):
+        for ancestor in tree.ancestors(node):
+            visible[1 + node, past_length + 1 + ancestor] = True
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+def tree_position_ids(tree: Tree, start: int, device) -> torch.LongTensor:
+    """Position of the root (``start``) and of each node (start + depth), [1, 1 + n]."""
+    return torch.tensor([[start] + [start + d for d in tree.depths]], device=device)
+
+
+@dataclass
+class TreeVerdict:
+    path: list[int]  # accepted node indices, root's child first
+    next_token: int  # the target's token after the accepted path
+
+
+def verify_tree(tree: Tree, target_logits: torch.Tensor, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> TreeVerdict:
+    """Walk down the tree: target_logits [1 + n, V], row 0 the root's, row 1 + i node i's."""
+    path, row = [], 0
+    node = -1
+    while True:
+        children = tree.children(node)
+        if sampling.greedy:
+            best = int(target_logits[row].argmax())
+            match = next((c for c in children if tree.tokens[c] == best), None)
+            if match is None:
+                return TreeVerdict(path, best)
+        else:
+            match, token = _accept_among(children, tree, sampling_probs(target_logits[row], sampling), generator)
+            if match is None:
+                return TreeVerdict(path, token)
+        path.append(match)
+        node, row = match, 1 + match
+
+
+def _accept_among(children, tree: Tree, probs: torch.Tensor, generator):
+    """Try each candidate child in turn (exact multi-candidate rejection); (child, None) or (None, token)."""
+    p = probs.clone()
+    for child in children:
+        token = tree.tokens[child]
+        mass = float(p[token])
+        if mass > 0 and float(torch.rand((), generator=generator, device=p.device)) < mass:
+            return child, None
+        p[token] = 0.0
+        total = float(p.sum())
+        if total <= 0:  # only reachable through rounding: every token with mass was a candidate
+            break
+        p = p / total
+    return None, int(sample_from(p, generator))
+
+
+def keep_path(cache, past_length: int, kept_rows: list[int]) -> None:
+    """Keep, after the ``past_length`` cached entries, only the given rows of the verified block, in order."""
+    index = torch.tensor(kept_rows, dtype=torch.long)
+    for layer in cache.layers:
+        keep = index.to(layer.keys.device) + past_length
+        layer.keys = torch.cat([layer.keys[:, :, :past_length], layer.keys.index_select(2, keep)], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :past_length], layer.values.index_select(2, keep)], dim=2)

@@ -1,0 +1,190 @@
+"""Tree verification: the tree mask, tree building, losslessness, and exact sampling."""
+
+import pytest
+import torch
+from conftest import make_dflash
+from test_lossless import MAX_NEW, hf_greedy, prompts
+from test_sampling import PASS, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint
+from tiny_models import make_causal_lm
+
+import test_sampling
+from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.sampling import SamplingConfig
+from blockspec.decoding.tree import Tree, build_tree, tree_attention_mask, tree_position_ids, verify_tree
+from blockspec.errors import BlockspecError
+from blockspec.models.dflash import DFlashDrafter
+
+
+def test_each_node_sees_exactly_the_context_the_root_and_its_ancestors():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \      \
+    #    2   3      4
+    tree = Tree(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 1], depths=[1, 1, 2, 2, 2])
+    mask = tree_attention_mask(tree, past_length=3, dtype=torch.float32, device="cpu")[0, 0]
+    visible = mask == 0
+    assert visible.shape == (6, 9)
+    assert visible[:, :4].all()  # the 3 cached positions and the root
+    expected_rows = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [0, 3], 5: [1, 4]}
+    for row, ancestors in expected_rows.items():
+        assert visible[row, 4:].nonzero().flatten().tolist() == ancestors, row
+    assert tree_position_ids(tree, 7, "cpu").tolist() == [[7, 8, 8, 9, 9, 9]]
+
+
+def test_the_tree_keeps_the_most_probable_paths():
+    probs = torch.tensor([[0.6, 0.3, 0.1, 0.0], [0.5, 0.4, 0.1, 0.0], [0.9, 0.05, 0.05, 0.0]])
+    tree = build_tree(probs, budget=5, top_k=2)
+    # path probabilities: [0] .6, [1] .3, [0,0] .3, [0,1] .24, [0,0,0] .27, [1,0] .15 ...
+    assert len(tree) == 5
+    assert tree.tokens[:1] == [0] and tree.depths[0] == 1
+    paths = sorted(tuple(tree.tokens[n] for n in tree.ancestors(i)) for i in range(len(tree)))
+    assert paths == [(0,), (0, 0), (0, 0, 0), (0, 1), (1,)]
+    assert all(parent < child for child, parent in enumerate(tree.parents))
+    chain = build_tree(probs, budget=3, top_k=1)
+    assert chain.tokens == [0, 0, 0] and chain.parents == [-1, 0, 1]
+    with pytest.raises(BlockspecError, match="budget must be >= 1"):
+        build_tree(probs, budget=0)
+
+
+def test_greedy_walk_follows_the_target():
+    tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, -1, 1, 1], depths=[1, 1, 2, 2])
+    logits = torch.full((5, 10), -5.0)
+    logits[0, 6] = 5  # root -> node 1 (token 6)
+    logits[2, 8] = 5  # node 1 -> node 3 (token 8)
+    logits[4, 2] = 5  # after node 3: the target's own token 2
+    verdict = verify_tree(tree, logits, SamplingConfig(), None)
+    assert verdict.path == [1, 3] and verdict.next_token == 2
+
+
+class NoisyOracle:
+    """A drafter offering per-position distributions in which the true next token is often,
+    but not always, first: second place sends the chain astray and the tree to a sibling."""
+
+    name = "noisy-oracle"
+    feature_layers = None
+    max_draft_tokens = 7
+    default_block_size = 8
+
+    def __init__(self, reference, vocab, seed=0):
+        self.reference = reference
+        self.vocab = vocab
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def begin(self, prompt_ids, features):
+        self.position = prompt_ids.shape[1]
+
+    def commit(self, tokens, features):
+        self.position += tokens.shape[1]
+
+    def draft_logits(self, last_token, num_tokens):
+        start = self.position + 1
+        logits = torch.randn(num_tokens, self.vocab, generator=self.generator)
+        for k in range(num_tokens):
+            if start + k < len(self.reference):
+                true = self.reference[start + k]
+                rank = int(torch.randint(0, 3, (1,), generator=self.generator))  # 0: first, 1: second, 2: gone
+                boost = {0: 8.0, 1: 6.0, 2: -8.0}[rank]
+                logits[k, true] = boost
+                if rank == 1:
+                    logits[k, (true + 1) % self.vocab] = 7.0
+        return logits
+
+    def propose(self, last_token, num_tokens, sampling, generator):
+        from blockspec.decoding.drafter import Proposal
+
+        return Proposal(self.draft_logits(last_token, num_tokens).argmax(-1))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def world(request):
+    target = make_causal_lm(request.param, vocab_size=320).double()
+    return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=12, seed=31)]
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 32])
+def test_tree_greedy_equals_hf_generate_and_beats_the_chain(world, budget):
+    target, references = world
+    tree_lengths, chain_lengths = [], []
+    for ids, expected in references:
+        reference = ids[0].tolist() + expected
+        for tree_budget, lengths in ((budget, tree_lengths), (None, chain_lengths)):
+            drafter = NoisyOracle(reference, 320, seed=len(reference))
+            config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, tree_budget=tree_budget)
+            stream = speculative_generate(target, ids, drafter, config)
+            list(stream)
+            assert stream.token_ids == expected
+            lengths += stream.stats.acceptance_lengths
+    tau_tree, tau_chain = sum(tree_lengths) / len(tree_lengths), sum(chain_lengths) / len(chain_lengths)
+    if budget >= 16:
+        assert tau_tree > 1.2 * tau_chain, (tau_tree, tau_chain)
+
+
+def test_tree_with_the_dflash_drafter_is_lossless(world):
+    target, references = world
+    drafter = DFlashDrafter(make_dflash(target, block_size=8), target)
+    for ids, expected in references[:6]:
+        stream = speculative_generate(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW, tree_budget=16))
+        list(stream)
+        assert stream.token_ids == expected
+
+
+def test_trees_need_a_one_pass_drafter():
+    from blockspec.drafters import PromptLookupDrafter
+
+    target = make_causal_lm("llama", vocab_size=320)
+    with pytest.raises(BlockspecError, match="needs the dflash drafter, not ngram"):
+        speculative_generate(target, torch.tensor([[5, 6]]), PromptLookupDrafter(), GenerationConfig(tree_budget=8))
+    with pytest.raises(BlockspecError, match="tree_budget must be >= 1"):
+        GenerationConfig(tree_budget=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)])
+def test_sampling_with_trees_follows_the_target(sampling, monkeypatch):
+    target = make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+    model = make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5)
+    with torch.no_grad():
+        model.norm.weight.mul_(5.0)  # peaked drafts, so that candidates are accepted and rejected
+    drafter = DFlashDrafter(model, target)
+    original = test_sampling.GenerationConfig
+    monkeypatch.setattr(test_sampling, "GenerationConfig",
+                        lambda **kw: original(**{**kw, "tree_budget": 5, "tree_top_k": 3}))
+    probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
+    counts = sampled_joint(target, drafter, sampling, SAMPLES)
+    assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
+
+
+def test_auto_chooses_how_much_of_the_tree_to_verify(world, monkeypatch):
+    import blockspec.decoding.generate as generate_module
+    from blockspec.decoding.adaptive import CostModel
+
+    target, references = world
+    class FixedCosts(CostModel):  # synthetic costs: not to be "refined" by this machine's real timings
+        def observe(self, width, seconds):
+            pass
+
+    monkeypatch.setattr(generate_module, "cost_model_for",
+                        lambda model, width: FixedCosts([1.0 + 0.02 * w for w in range(width)]))
+    sizes = set()
+    for ids, expected in references[:6]:
+        drafter = NoisyOracle(ids[0].tolist() + expected, 320, seed=3)
+        config = GenerationConfig(max_new_tokens=MAX_NEW, block_size="auto", tree_budget=32)
+        stream = speculative_generate(target, ids, drafter, config)
+        list(stream)
+        assert stream.token_ids == expected
+        sizes.update(stream.widths)
+    assert len(sizes) > 1 and max(sizes) <= 33
+
+
+def test_the_tree_size_policy_weighs_reach_against_cost():
+    from blockspec.decoding.adaptive import AdaptiveWidth, CostModel
+
+    flat = AdaptiveWidth(CostModel([1.0] * 8))
+    assert flat.choose_tree_size([0.9, 0.5, 0.9, 0.2], [-1, -1, 0, 2]) == 4  # free nodes: take them all
+    steep = AdaptiveWidth(CostModel([1.0, 1.1, 5.0, 5.0, 5.0]))
+    assert steep.choose_tree_size([0.9, 0.5, 0.9, 0.2], [-1, -1, 0, 2]) == 1
+    tree = Tree(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2])
+    assert tree.first(2).tokens == [5, 6] and tree.walked_levels([0], [0.9, 0.5, 0.8]) == [([0.9, 0.5], 0),
+                                                                                          ([0.8], None)]
