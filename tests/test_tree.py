@@ -188,3 +188,16 @@ def test_the_tree_size_policy_weighs_reach_against_cost():
     tree = Tree(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2])
     assert tree.first(2).tokens == [5, 6] and tree.walked_levels([0], [0.9, 0.5, 0.8]) == [([0.9, 0.5], 0),
                                                                                           ([0.8], None)]
+
+
+def test_cli_generate_with_a_tree(tiny_target_dir, tiny_draft_dir, capsys):
+    import json
+
+    from blockspec.cli import main
+
+    assert main(["generate", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--tree-budget", "8",
+                 "--json", "--max-new-tokens", "8", "hello"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", "--target", str(tiny_target_dir), "--method", "ar", "--json", "--max-new-tokens", "8",
+                 "hello"]) == 0
+    assert json.loads(plain)["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
