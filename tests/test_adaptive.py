@@ -8,7 +8,7 @@ from conftest import make_dflash
 from test_drafters import perturbed_copy, repetitive_prompts
 from test_lossless import MAX_NEW, hf_greedy, prompts
 from test_recursive import make_recursive
-from test_sampling import PASS, SAMPLES, chi_square_pvalue, exact_joint, sampled_joint
+from test_sampling import PASS, SAMPLES, chi_square_pvalue, exact_joint, sampled_joint, small_target
 from tiny_models import make_causal_lm
 
 import blockspec.decoding.adaptive as adaptive
@@ -151,8 +151,7 @@ def test_the_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
 def test_sampling_with_auto_width_follows_the_target(monkeypatch):
     from test_sampling import VOCAB
 
-    target = make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+    target = small_target()
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5), target)
     monkeypatch.setattr(generate_module, "cost_model_for", lambda model, width: mid_width_costs(width))
     sampling = SamplingConfig(temperature=1.0)

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 from test_lossless import hf_greedy, prompts
-from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint
+from test_sampling import (PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint,
+                           small_target)
 from tiny_models import make_causal_lm, make_tokenizer, save_tiny_target
 
 from blockspec.cli import main
@@ -171,9 +172,8 @@ def test_prompt_lookup_stays_cheap_on_long_contexts():
 # --- sampling: the output follows the target's distribution -------------------------------
 
 @pytest.fixture(scope="module")
-def small_target():
-    return make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+def tiny_vocab_target():
+    return small_target()
 
 
 @pytest.mark.slow
@@ -181,23 +181,23 @@ def small_target():
     ("draft", SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)),
     ("ngram", SamplingConfig(temperature=1.0)),
 ])
-def test_speculative_sampling_matches_target_sampling(small_target, kind, sampling):
+def test_speculative_sampling_matches_target_sampling(tiny_vocab_target, kind, sampling):
     if kind == "draft":
         # another small LM whose vocabulary is padded past the target's
         draft = make_causal_lm("llama", vocab_size=VOCAB + 2, seed=5, hidden_size=32, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)
-        drafter = DraftModelDrafter(draft, small_target)
+        drafter = DraftModelDrafter(draft, tiny_vocab_target)
     else:
         drafter = PromptLookupDrafter()
-    probs = {k: v for k, v in exact_joint(small_target, sampling).items() if v > 0}
-    counts = sampled_joint(small_target, drafter, sampling, SAMPLES)
+    probs = {k: v for k, v in exact_joint(tiny_vocab_target, sampling).items() if v > 0}
+    counts = sampled_joint(tiny_vocab_target, drafter, sampling, SAMPLES)
     assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
 
 
-def test_sampled_drafts_carry_their_distribution(small_target):
+def test_sampled_drafts_carry_their_distribution(tiny_vocab_target):
     draft = make_causal_lm("llama", vocab_size=VOCAB, seed=5, hidden_size=32, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1)
-    drafter = DraftModelDrafter(draft, small_target)
+    drafter = DraftModelDrafter(draft, tiny_vocab_target)
     drafter.begin(PROMPT, None)
     proposal = drafter.propose(4, 3, SamplingConfig(temperature=0.8, top_k=3), torch.Generator().manual_seed(0))
     assert proposal.probs.shape == (3, VOCAB)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_lossless import MAX_NEW, hf_greedy, prompts
-from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint
+from test_sampling import (PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint,
+                           small_target)
 from tiny_models import make_causal_lm
 
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
@@ -28,7 +29,8 @@ def make_recursive(kind, target, *, draft_vocab_size=None, seed=1, ttt_steps=3):
     model = model_class(make_config(target.config, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps))
     if draft_vocab_size:
         vocab = target.config.vocab_size
-        model.set_draft_vocabulary(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab_size])
+        order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+        model.set_draft_vocabulary(order[:draft_vocab_size])
     if kind == "mtp":
         model.attach_target(target)
     return model.to(next(target.parameters()).dtype).eval()
@@ -81,9 +83,8 @@ def test_training_unroll_equals_inference_recursion(kind, draft_vocab):
 
 
 @pytest.fixture(scope="module")
-def small_target():
-    return make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+def tiny_vocab_target():
+    return small_target()
 
 
 @pytest.mark.slow
@@ -91,20 +92,21 @@ def small_target():
     ("eagle3", SamplingConfig(temperature=1.0), 6),  # a draft vocabulary smaller than the target's
     ("mtp", SamplingConfig(temperature=0.7, top_k=5, top_p=0.9), None),
 ])
-def test_speculative_sampling_matches_target_sampling(small_target, kind, sampling, draft_vocab):
-    model = make_recursive(kind, small_target, draft_vocab_size=draft_vocab, seed=4)
+def test_speculative_sampling_matches_target_sampling(tiny_vocab_target, kind, sampling, draft_vocab):
+    model = make_recursive(kind, tiny_vocab_target, draft_vocab_size=draft_vocab, seed=4)
     with torch.no_grad():  # sharper random drafts, so that some are accepted and some rejected
         for parameter in model.parameters():
             parameter.mul_(3.0)
-    drafter = RecursiveDrafter(model, small_target, name=kind)
-    probs = {k: v for k, v in exact_joint(small_target, sampling).items() if v > 0}
-    counts = sampled_joint(small_target, drafter, sampling, SAMPLES)
+    drafter = RecursiveDrafter(model, tiny_vocab_target, name=kind)
+    probs = {k: v for k, v in exact_joint(tiny_vocab_target, sampling).items() if v > 0}
+    counts = sampled_joint(tiny_vocab_target, drafter, sampling, SAMPLES)
     assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
 
 
-def test_drafts_outside_the_draft_vocabulary_have_no_mass(small_target):
-    drafter = RecursiveDrafter(make_recursive("eagle3", small_target, draft_vocab_size=5), small_target, name="eagle3")
-    features = small_target(PROMPT, output_hidden_states=True).hidden_states
+def test_drafts_outside_the_draft_vocabulary_have_no_mass(tiny_vocab_target):
+    model = make_recursive("eagle3", tiny_vocab_target, draft_vocab_size=5)
+    drafter = RecursiveDrafter(model, tiny_vocab_target, name="eagle3")
+    features = tiny_vocab_target(PROMPT, output_hidden_states=True).hidden_states
     drafter.begin(PROMPT, torch.cat([features[i + 1] for i in drafter.feature_layers], -1))
     proposal = drafter.propose(4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     outside = ~drafter.model.t2d

@@ -74,10 +74,15 @@ def test_verifier_output_follows_target_distribution(deterministic, top_k, top_p
 
 @pytest.fixture(scope="module")
 def small_world():
-    target = make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+    target = small_target()
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5), target)
     return target, drafter
+
+
+def small_target():
+    """The tiny-vocabulary target whose output distribution the tests enumerate exactly."""
+    return make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
 
 
 def exact_joint(target, sampling: SamplingConfig) -> dict:

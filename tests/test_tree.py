@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import make_dflash
 from test_lossless import MAX_NEW, hf_greedy, prompts
-from test_sampling import PASS, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint
+from test_sampling import PASS, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint, small_target
 from tiny_models import make_causal_lm
 
 import test_sampling
@@ -142,8 +142,7 @@ def test_trees_need_a_one_pass_drafter():
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)])
 def test_sampling_with_trees_follows_the_target(sampling, monkeypatch):
-    target = make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+    target = small_target()
     model = make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5)
     with torch.no_grad():
         model.norm.weight.mul_(5.0)  # peaked drafts, so that candidates are accepted and rejected

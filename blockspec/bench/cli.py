@@ -27,8 +27,9 @@ def add_bench_command(commands) -> None:
     models.add_argument("--methods", default=None,
                         help="comma-separated: ar, hf, hf-prompt-lookup, hf-assisted, and the drafters "
                              "dflash, eagle3, mtp, draft, ngram, each also as METHOD@WIDTH with its own verify "
-                             "width, e.g. dflash@4,dflash@16,dflash@auto, or with a token tree of N nodes, dflash@t32 (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a "
-                             "DFlash drafter is known, plus draft,hf-assisted with --assistant)")
+                             "width, e.g. dflash@4,dflash@16,dflash@auto, or with a token tree of N nodes, "
+                             "dflash@t32 (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a DFlash drafter "
+                             "is known, plus the methods of every --draft, plus draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
                         help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for eagle3, mtp, draft "
                              "(repeatable; "

@@ -78,8 +78,9 @@ class RecursiveDrafter:
         """Put every row whose next token is known into the persistent cache; their output hidden states."""
         start, count = self.fed, self.pending.shape[1]
         next_tokens = (self.tokens + [last_token])[start + 1: start + count + 1]
+        mask = _causal(count, start, self.device)
         hidden, new = self.model.step(self._embed(next_tokens), self.model.fuse(self.pending),
-                                      positions(start, count, self.device), self.past, _causal(count, start, self.device))
+                                      positions(start, count, self.device), self.past, mask)
         self.past = _append(self.past, new)
         self.fed += count
         self.pending = None

@@ -104,7 +104,8 @@ class MTPDraftModel(RecursiveDraftModel, LlamaPreTrainedModel):
             raise IncompatibleDraftError(
                 f"the MTP draft was made for a vocabulary of {self.t2d.shape[0]} x {self.config.hidden_size}, "
                 f"the target's LM head is {tuple(head.shape)}: use a draft trained for this target")
-        self.head_weight = head[self.draft_to_target.to(head.device)].to(self.norm.weight.device, self.norm.weight.dtype)
+        rows = head[self.draft_to_target.to(head.device)]
+        self.head_weight = rows.to(self.norm.weight.device, self.norm.weight.dtype)
 
     def start_from_target(self, target_model) -> None:
         weight = getattr(getattr(target_model.base_model, "norm", None), "weight", None)

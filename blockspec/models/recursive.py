@@ -138,7 +138,9 @@ class RecursiveDraftModel(nn.Module):
             embeddings = F.pad(token_embeddings[:, k + 1:], (0, 0, 0, k + 1))
             mask = torch.cat([context_visible] + [chain_visible] * k, dim=-1).unsqueeze(1)
             hidden, (keys, values) = self.step(embeddings, hidden, (index + k).expand(batch, -1), past, mask)
-            past = (keys, values) if past is None else (torch.cat([past[0], keys], -2), torch.cat([past[1], values], -2))
+            if past is not None:
+                keys, values = torch.cat([past[0], keys], -2), torch.cat([past[1], values], -2)
+            past = (keys, values)
             logits.append(self.head_logits(hidden))
         return logits
 
