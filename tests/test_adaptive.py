@@ -134,6 +134,19 @@ def test_the_policy_maximises_tokens_per_second():
     assert policy.costs(2) == pytest.approx(2.4) and policy.draft_seconds == 0.5
 
 
+def test_drafting_pauses_while_it_does_not_pay_and_probes():
+    from blockspec.decoding.adaptive import PROBE_EVERY
+
+    policy = AdaptiveWidth(CostModel([1.0, 1.5]))
+    assert policy.should_draft()  # nothing measured yet
+    policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # 1 token in 2 s < 1 per s
+    decisions = [policy.should_draft() for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]
+    for _ in range(20):  # drafting starts to pay: 3 tokens in 2 s
+        policy.observe([0.9, 0.9], 2, verify_seconds=1.5, width=3, draft_seconds=0.5)
+    assert all(policy.should_draft() for _ in range(5))
+
+
 def test_the_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
     target = make_causal_lm("llama", vocab_size=320)
     first = cost_model_for(target, 6, cache_dir=tmp_path)

@@ -30,6 +30,9 @@ from blockspec.errors import BlockspecError
 AUTO = "auto"
 #: Weight of the newest measurement in the running averages of T(w) and T_draft.
 _EMA = 0.2
+#: While drafting pays less than plain decoding, draft only every this many steps (to keep
+#: measuring whether it has started to pay).
+PROBE_EVERY = 8
 
 
 # ---------------------------------------------------------------------------
@@ -204,6 +207,20 @@ class AdaptiveWidth:
         self.costs = costs
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.draft_seconds: float | None = None
+        #: Running tokens per second of the steps that drafted (draft + verify time).
+        self.drafting_rate: float | None = None
+        self._skipped = 0
+
+    def should_draft(self) -> bool:
+        """Whether to draft this step: no when drafting has paid less than one-token steps, but
+        every ``PROBE_EVERY``-th step anyway. (Skipping only makes the step plain decoding.)"""
+        if self.drafting_rate is None or self.drafting_rate >= 1.0 / self.costs(1):
+            return True
+        self._skipped += 1
+        if self._skipped >= PROBE_EVERY:
+            self._skipped = 0
+            return True
+        return False
 
     def expected_tokens(self, confidences) -> list[float]:
         """Expected tokens a verify of width w produces, for w = 1..len(confidences)+1."""
@@ -239,6 +256,7 @@ class AdaptiveWidth:
                 draft_seconds: float) -> None:
         self.calibrator.observe(confidences, num_accepted)
         self._observe_times(width, verify_seconds, draft_seconds)
+        self._observe_rate(num_accepted + 1, verify_seconds + draft_seconds)
 
     def observe_tree(self, levels, verify_seconds: float, width: int, draft_seconds: float) -> None:
         """``levels``: per tree level walked, (the children's confidences, the accepted child's index or None)."""
@@ -246,6 +264,14 @@ class AdaptiveWidth:
             if confidences:
                 self.calibrator.observe_candidates(confidences, accepted)
         self._observe_times(width, verify_seconds, draft_seconds)
+        self._observe_rate(len(levels), verify_seconds + draft_seconds)  # the path's nodes + the next token
+
+    def _observe_rate(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.drafting_rate = rate if self.drafting_rate is None else \
+            self.drafting_rate + _EMA * (rate - self.drafting_rate)
 
     def _observe_times(self, width: int, verify_seconds: float, draft_seconds: float) -> None:
         self.costs.observe(width, verify_seconds)

@@ -142,6 +142,8 @@ class TokenStream:
         position = self.input_ids.shape[1]  # where `token` goes; the cache holds everything before it
         while not self.stats.finish_reason:
             depth = min(self.block_size - 1, self.max_new_tokens - len(self.token_ids) - 1)
+            if self.width_policy is not None and depth > 0 and not self.width_policy.should_draft():
+                depth = 0  # drafting has not been paying: a plain one-token step
             if self.config.tree_budget and depth > 0:
                 step = self._tree_step(token, position, depth, cache, sampling, generator, wants_features)
             else:
