@@ -107,7 +107,6 @@ class TokenStream:
         self.drafter = drafter
         self.config = config
         self.block_size = resolve_block_size(drafter, config.block_size)
-        #: The adaptive width policy with --block-size auto (its ``widths`` say what it chose).
         #: With "auto", the policy choosing each step's width (or, with a tree, how many nodes);
         #: ``widths`` records this stream's choices.
         self.width_policy = shared_width_policy(target_model, drafter, config) if config.block_size == AUTO else None

@@ -340,8 +340,7 @@ class DFlashDrafter:
             tokens = logits.argmax(dim=-1)
             return Proposal(tokens, confidence=draft_confidence(logits, tokens))
         probs = sampling_probs(logits, sampling)
-        tokens = sample_from(probs, generator)
-        return Proposal(tokens, probs, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+        return Proposal(sample_from(probs, generator), probs)  # its confidence is q(token), from probs
 
     def draft_logits(self, last_token: int, num_tokens: int) -> torch.Tensor:
         """Logits [num_tokens, V] for the positions after ``last_token``, in one forward."""

@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, Llama
 
 from blockspec.errors import CheckpointError
 from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_weights
+from blockspec.models.target import copy_final_norm
 from blockspec.models.recursive import (
     CachedAttention,
     RecursiveDraftModel,
@@ -105,7 +106,7 @@ class LlamaForCausalLMEagle3(RecursiveDraftModel, LlamaPreTrainedModel):
         head = target_model.get_output_embeddings().weight.detach()
         with torch.no_grad():
             self.lm_head.weight.copy_(head[self.draft_to_target.to(head.device)].float())
-            _copy_final_norm(self.norm, target_model)
+        copy_final_norm(self.norm, target_model)
 
 
 Eagle3DraftModel = LlamaForCausalLMEagle3
@@ -121,12 +122,6 @@ def aux_layer_ids(config) -> list[int]:
         raise CheckpointError("the EAGLE-3 config has neither eagle_config.eagle_aux_hidden_state_layer_ids "
                               "nor num_target_layers: cannot tell which target layers it reads")
     return default_aux_layers(layers)
-
-
-def _copy_final_norm(norm, target_model) -> None:
-    weight = getattr(getattr(target_model.base_model, "norm", None), "weight", None)
-    if weight is not None and weight.shape == norm.weight.shape:
-        norm.weight.copy_(weight.detach().float())
 
 
 def load_eagle3_model(directory) -> Eagle3DraftModel:

@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, Llama
 
 from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_weights
+from blockspec.models.target import copy_final_norm
 from blockspec.models.recursive import (
     CachedAttention,
     RecursiveDraftModel,
@@ -108,10 +109,9 @@ class MTPDraftModel(RecursiveDraftModel, LlamaPreTrainedModel):
         self.head_weight = rows.to(self.norm.weight.device, self.norm.weight.dtype)
 
     def start_from_target(self, target_model) -> None:
-        weight = getattr(getattr(target_model.base_model, "norm", None), "weight", None)
-        if weight is not None and weight.shape == self.norm.weight.shape:
-            with torch.no_grad():
-                self.norm.weight.copy_(weight.detach().float())
+        """The final norm starts at the target's, and the target's LM head rows are attached."""
+        copy_final_norm(self.norm, target_model)
+        self.attach_target(target_model)
 
 
 def load_mtp_model(directory) -> MTPDraftModel:

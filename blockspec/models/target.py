@@ -63,6 +63,14 @@ class Target:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 
 
+def copy_final_norm(norm, target_model) -> None:
+    """Start a draft's final norm at the target's output norm (its hidden states meet the target's LM head)."""
+    weight = getattr(getattr(target_model.base_model, "norm", None), "weight", None)
+    if weight is not None and weight.shape == norm.weight.shape:
+        with torch.no_grad():
+            norm.weight.copy_(weight.detach().float())
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

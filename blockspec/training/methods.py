@@ -78,6 +78,7 @@ class DFlashTraining:
 
     def build(self, config, target, samples):
         from blockspec.models.dflash import DFlashDraftModel, make_dflash_config
+        from blockspec.models.target import copy_final_norm
         from blockspec.training.trainer import pick_mask_token
 
         target_model = target.model
@@ -158,7 +159,6 @@ class RecursiveTraining:
             model.start_head_from_target(target_model)
         else:
             model.start_from_target(target_model)
-            model.attach_target(target_model)
         return model
 
     def load(self, directory):
@@ -176,8 +176,6 @@ class RecursiveTraining:
     def loss(self, forward, model, batch, target, config, generator):
         from blockspec.models.recursive import recursion_labels
 
-        if self.name == "mtp" and model.head_weight.numel() == 0:
-            model.attach_target(target.model)
         device = target.model.device
         steps = model.ttt_steps
         with torch.no_grad():
@@ -316,11 +314,3 @@ def shrink_target(target_model, num_layers: int):
 def freeze_embeddings(model) -> None:
     model.get_input_embeddings().weight.requires_grad_(False)
     model.get_output_embeddings().weight.requires_grad_(False)
-
-
-def copy_final_norm(norm, target_model) -> None:
-    """A draft whose hidden states meet the target's LM head starts at the target's output norm."""
-    weight = getattr(getattr(target_model.base_model, "norm", None), "weight", None)
-    if weight is not None and weight.shape == norm.weight.shape:
-        with torch.no_grad():
-            norm.weight.copy_(weight.detach().float())
