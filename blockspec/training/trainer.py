@@ -308,14 +308,13 @@ class Trainer:
     # --- checkpoints --------------------------------------------------------------------
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.out / "checkpoints" / f"step-{step:07d}"
+        return checkpoint_dir(self.out, step)
 
     def save_checkpoint(self) -> Path | None:
         """Draft (official layout) + optimizer/scheduler/state, then the `latest` pointer."""
         if self.rank != 0:
             barrier()
             return None
-        directory = self.checkpoint_dir(self.state.step)
 
         def write(tmp: Path):
             self.method.write(self.model, tmp, self.target)
@@ -323,8 +322,7 @@ class Trainer:
                         "state": asdict(self.state), "config": asdict(self.config)}, tmp / STATE_FILE)
             (tmp / "trainer_state.json").write_text(json.dumps(asdict(self.state), indent=1))
 
-        save_atomically(write, directory)
-        _write_text_atomically(self.out / "checkpoints" / LATEST_FILE, directory.name)
+        directory = write_checkpoint(self.out, self.state.step, write)
         barrier()
         return directory
 
@@ -344,6 +342,19 @@ class Trainer:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = TrainState(**saved["state"])
+
+
+def checkpoint_dir(out: str | Path, step: int) -> Path:
+    return Path(out) / "checkpoints" / f"step-{step:07d}"
+
+
+def write_checkpoint(out: str | Path, step: int, write) -> Path:
+    """``write(tmp_dir)`` fills the checkpoint of ``step``; it is moved into place whole, then
+    ``latest`` points at it. A kill while a new step is written leaves ``latest`` on the last
+    complete checkpoint."""
+    directory = save_atomically(write, checkpoint_dir(out, step))
+    _write_text_atomically(Path(out) / "checkpoints" / LATEST_FILE, directory.name)
+    return directory
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
