@@ -1,4 +1,4 @@
-"""The DFlash drafter: a few Qwen3-style layers that denoise a whole block in one pass.
+"""The DFlash drafter: a few Qwen3-style layers that denoise a whole block in one pass (or a few).
 
 The drafter reads hidden states of several target layers (the context features), projects
 them with ``fc`` + ``hidden_norm`` and injects them as extra keys and values into the
@@ -29,7 +29,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from blockspec.decoding.drafter import Proposal
 from blockspec.decoding.generate import positions
 from blockspec.decoding.sampling import draft_confidence, sample_from, sampling_probs
-from blockspec.errors import CheckpointError, IncompatibleDraftError
+from blockspec.errors import BlockspecError, CheckpointError, IncompatibleDraftError
 from blockspec.models.checkpoint import (
     load_pretrained_strict,
     read_config,
@@ -119,6 +119,8 @@ class ContextCache:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
 
     def extend(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        if self.keys[layer] is not None and keys.shape[-2] == 0:
+            return self.keys[layer], self.values[layer]  # nothing new: no copy of the whole cache
         if self.keys[layer] is not None:
             keys = torch.cat([self.keys[layer], keys], dim=-2)
             values = torch.cat([self.values[layer], values], dim=-2)
@@ -303,12 +305,42 @@ def save_dflash_model(model: DFlashDraftModel, directory) -> None:
     save_atomically(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), directory)
 
 
+def denoise_schedule(num_tokens: int, steps: int) -> list[int]:
+    """Positions committed at each pass: ``num_tokens`` over ``min(steps, num_tokens)`` passes, as
+    evenly as possible, the first ``num_tokens % passes`` passes taking one more (as LLaDA's
+    num_transfer_tokens)."""
+    if num_tokens == 0:
+        return []
+    passes = min(steps, num_tokens)
+    share, extra = divmod(num_tokens, passes)
+    return [share + 1] * extra + [share] * (passes - extra)
+
+
+def check_denoise_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise BlockspecError(f"denoise_steps must be a whole number >= 1 (1 drafts the block in one pass), "
+                             f"got {steps!r}")
+    return steps
+
+
+def most_confident(logits: torch.Tensor, masked: torch.Tensor, count: int) -> torch.LongTensor:
+    """The ``count`` still-masked rows of logits [n, V] whose top probability is highest, highest first."""
+    confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+    return confidence.masked_fill(~masked, -1.0).topk(count).indices
+
+
 class DFlashDrafter:
-    """DFlash behind the drafter protocol: one forward pass drafts the whole block."""
+    """DFlash behind the drafter protocol: one forward pass drafts the whole block.
+
+    With ``denoise_steps`` K > 1 the block is denoised in K passes: after each pass the most
+    confident masked positions are committed (their token replaces MASK in the next pass), per
+    ``denoise_schedule``; ``last_commit_counts`` records the last draft's commits per pass.
+    """
 
     name = "dflash"
 
-    def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True):
+    def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
+                 denoise_steps: int = 1):
         check_fits_target(model, target_model.config)
         param = next(target_model.parameters())
         self.model = model.to(device=param.device, dtype=param.dtype).eval()
@@ -322,7 +354,17 @@ class DFlashDrafter:
         #: At temperature > 0: sample drafts from q and use full rejection sampling (True),
         #: or draft greedily and accept with probability p(draft) (False, the reference).
         self.sample_drafts = sample_drafts
+        self.denoise_steps = denoise_steps
+        self.last_commit_counts: list[int] = []
         self.device = param.device
+
+    @property
+    def denoise_steps(self) -> int:
+        return self._denoise_steps
+
+    @denoise_steps.setter
+    def denoise_steps(self, steps: int) -> None:
+        self._denoise_steps = check_denoise_steps(steps)
 
     def begin(self, prompt_ids, features):
         self.cache = self.model.new_cache()
@@ -336,28 +378,52 @@ class DFlashDrafter:
         if num_tokens == 0:
             return Proposal.empty(self.device)
         logits = self.draft_logits(last_token, num_tokens)
-        if sampling.greedy or not self.sample_drafts:
+        # Drafted out of left-to-right order, a sampled token's q is not its distribution given the
+        # drafts before it, so rejection sampling with q would be biased: denoised drafts are
+        # deterministic (accepted with probability p(draft), exact for any deterministic draft).
+        denoised = len(self.last_commit_counts) > 1
+        if sampling.greedy or not self.sample_drafts or denoised:
             tokens = logits.argmax(dim=-1)
             return Proposal(tokens, confidence=draft_confidence(logits, tokens))
         probs = sampling_probs(logits, sampling)
         return Proposal(sample_from(probs, generator), probs)  # its confidence is q(token), from probs
 
     def draft_logits(self, last_token: int, num_tokens: int) -> torch.Tensor:
-        """Logits [num_tokens, V] for the positions after ``last_token``, in one forward."""
+        """Logits [num_tokens, V] for the positions after ``last_token``.
+
+        Row i comes from the pass that committed position i, so its argmax is that position's
+        draft. Only the first pass appends the pending context features to the cache.
+        """
         context_start = self.cache.length
         start = context_start + (0 if self.pending is None else self.pending.shape[1])
         block_ids = torch.full((1, num_tokens + 1), self.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[0, 0] = last_token
-        hidden = self.model(
-            self.embed_tokens(block_ids),
-            positions(start, num_tokens + 1, self.device),
-            self.pending,
-            positions(context_start, start - context_start, self.device),
-            self.cache,
-        )
+        logits = self._block_logits(block_ids, start, self.pending)
         self.pending = None
+        schedule = denoise_schedule(num_tokens, self.denoise_steps)
+        committed = torch.empty_like(logits)
+        masked = torch.ones(num_tokens, dtype=torch.bool, device=self.device)
+        for index, count in enumerate(schedule):
+            if index > 0:
+                logits = self._block_logits(block_ids, start)
+            chosen = most_confident(logits, masked, count)
+            committed[chosen] = logits[chosen]
+            block_ids[0, 1 + chosen] = logits[chosen].argmax(dim=-1)
+            masked[chosen] = False
+        self.last_commit_counts = schedule
+        return committed
+
+    def _block_logits(self, block_ids, start: int, context: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over the block at positions ``start``...; ``context``: features of the positions
+        just before ``start``, appended to the cache (None: attend the cache as it is)."""
+        context_positions = None if context is None else \
+            positions(start - context.shape[1], context.shape[1], self.device)
+        hidden = self.model(self.embed_tokens(block_ids), positions(start, block_ids.shape[1], self.device),
+                            context, context_positions, self.cache)
         return self.lm_head(hidden[0, 1:]).float()
 
 
-def load_dflash_drafter(directory, target_model, *, sample_drafts: bool = True) -> DFlashDrafter:
-    return DFlashDrafter(load_dflash_model(directory), target_model, sample_drafts=sample_drafts)
+def load_dflash_drafter(directory, target_model, *, sample_drafts: bool = True,
+                        denoise_steps: int = 1) -> DFlashDrafter:
+    return DFlashDrafter(load_dflash_model(directory), target_model, sample_drafts=sample_drafts,
+                         denoise_steps=denoise_steps)

@@ -1,0 +1,136 @@
+"""The DFlash drafter denoising its block in K passes: the schedule, the passes, losslessness."""
+
+import pytest
+import torch
+from conftest import make_dflash
+from test_lossless import MAX_NEW, hf_greedy, prompts
+from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, small_target
+from tiny_models import make_causal_lm
+
+from blockspec.decoding.generate import GenerationConfig, positions, speculative_generate
+from blockspec.decoding.sampling import SamplingConfig
+from blockspec.errors import BlockspecError
+from blockspec.models.dflash import DFlashDrafter, denoise_schedule
+
+
+@pytest.mark.parametrize("num_tokens,steps,expected", [
+    (15, 1, [15]), (15, 2, [8, 7]), (15, 4, [4, 4, 4, 3]), (7, 3, [3, 2, 2]), (8, 4, [2, 2, 2, 2]),
+    (3, 8, [1, 1, 1]), (1, 4, [1]), (0, 2, []),
+])
+def test_schedule_spreads_the_block_evenly_over_the_passes(num_tokens, steps, expected):
+    assert denoise_schedule(num_tokens, steps) == expected
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5, True])
+def test_denoise_steps_must_be_a_whole_number_of_passes(steps):
+    target = make_causal_lm("qwen3")
+    with pytest.raises(BlockspecError, match="denoise_steps must be a whole number >= 1"):
+        DFlashDrafter(make_dflash(target), target, denoise_steps=steps)
+
+
+def started_drafter(target, steps, prompt_length=6, block_size=16):
+    drafter = DFlashDrafter(make_dflash(target, block_size=block_size), target, denoise_steps=steps)
+    features = torch.randn(1, prompt_length, len(drafter.feature_layers) * target.config.hidden_size,
+                           generator=torch.Generator().manual_seed(0), dtype=target.dtype)
+    drafter.begin(torch.zeros(1, prompt_length, dtype=torch.long), features)
+    return drafter, features
+
+
+@pytest.mark.parametrize("steps", [2, 3, 4, 15, 20])
+def test_each_pass_commits_the_scheduled_tokens_and_context_enters_the_cache_once(steps):
+    target = make_causal_lm("qwen3")
+    drafter, _ = started_drafter(target, steps)
+    passes = []
+    drafter.model.register_forward_pre_hook(lambda module, args: passes.append((args[0], args[2])))
+    inputs = []
+    hook = drafter.embed_tokens.register_forward_hook(lambda module, args, out: inputs.append(args[0][0, 1:].clone()))
+    with torch.inference_mode():
+        logits = drafter.draft_logits(last_token=5, num_tokens=15)
+    hook.remove()
+    schedule = denoise_schedule(15, steps)
+    assert drafter.last_commit_counts == schedule
+    assert len(passes) == len(inputs) == len(schedule)
+    assert passes[0][1] is not None and all(context is None for _, context in passes[1:])
+    assert drafter.cache.length == 6
+    still_masked = [int((ids == drafter.mask_token_id).sum()) for ids in inputs]
+    assert still_masked == [15 - sum(schedule[:i]) for i in range(len(schedule))]
+    final = inputs[-1]
+    committed_last = final == drafter.mask_token_id
+    assert torch.equal(logits[~committed_last].argmax(-1), final[~committed_last])
+
+
+def test_one_pass_is_todays_single_forward_bit_for_bit():
+    target = make_causal_lm("qwen3")
+    drafter, features = started_drafter(target, 1)
+    model, cache = drafter.model, drafter.model.new_cache()
+
+    def one_forward(last_token, context, context_start, start):
+        ids = torch.full((1, 8), drafter.mask_token_id)
+        ids[0, 0] = last_token
+        hidden = model(drafter.embed_tokens(ids), positions(start, 8, "cpu"), context,
+                       positions(context_start, start - context_start, "cpu"), cache)
+        return target.get_output_embeddings()(hidden[0, 1:]).float()
+
+    more = torch.randn(1, 3, features.shape[-1], generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        first = drafter.draft_logits(5, 7)
+        drafter.commit(torch.tensor([[5, 6, 7]]), more)
+        second = drafter.draft_logits(9, 7)
+        assert torch.equal(first, one_forward(5, features, 0, 6))
+        assert torch.equal(second, one_forward(9, more, 6, 9))
+    assert drafter.last_commit_counts == [7]
+
+
+@pytest.fixture(scope="module")
+def target_and_references():
+    target = make_causal_lm("qwen3", vocab_size=320, seed=2).double()
+    return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=8, seed=3)]
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, "n"])
+def test_denoised_greedy_equals_plain_greedy(target_and_references, block_size, steps):
+    target, references = target_and_references
+    steps = block_size - 1 if steps == "n" else steps
+    drafter = DFlashDrafter(make_dflash(target, block_size=16), target, denoise_steps=steps)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size)
+    for ids, expected in references:
+        stream = speculative_generate(target, ids, drafter, config)
+        list(stream)
+        assert stream.token_ids == expected
+        assert all(1 <= n <= block_size for n in stream.stats.acceptance_lengths)
+
+
+def test_denoised_drafts_are_deterministic_when_sampling():
+    target = small_target()
+    drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
+                            target, denoise_steps=2)
+    drafter.begin(PROMPT, torch.randn(1, 3, len(drafter.feature_layers) * target.config.hidden_size))
+    proposal = drafter.propose(4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    assert proposal.probs is None and proposal.confidence is not None
+    assert drafter.last_commit_counts == [2, 1]
+
+
+def sampled_first_tokens(target, drafter, sampling, samples):
+    """Counts of the first 3 tokens of 4-token generations, whose first step drafts 2 tokens
+    (test_sampling's 3-token generations leave room for one draft only)."""
+    counts = {}
+    for seed in range(samples):
+        config = GenerationConfig(max_new_tokens=4, block_size=3, temperature=sampling.temperature, seed=seed)
+        stream = speculative_generate(target, PROMPT, drafter, config)
+        list(stream)
+        assert stream.stats.drafted[0] == 2
+        key = tuple(stream.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.slow
+def test_denoised_sampling_matches_target_sampling():
+    target = small_target()
+    drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
+                            target, denoise_steps=2)
+    sampling = SamplingConfig(temperature=1.0)
+    probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
+    counts = sampled_first_tokens(target, drafter, sampling, SAMPLES)
+    assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
