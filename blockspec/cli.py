@@ -82,6 +82,10 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-sampling", choices=["sample", "greedy"], default="sample",
                         help="at temperature > 0: sample drafts and rejection-sample with q (default), "
                              "or draft greedily and accept with probability p(draft)")
+    parser.add_argument("--denoise-steps", type=int, default=1, metavar="K",
+                        help="dflash: denoise the draft block in K passes, each committing the most confident "
+                             "masked positions (default 1: the whole block in one pass); with K > 1 drafts "
+                             "are greedy at any temperature")
     parser.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
 
 
@@ -202,12 +206,24 @@ def load_models(args):
     autoregressive = method == "ar" or (method is None and args.draft is None)
     if not autoregressive and method is None:
         method = detect_method(args.draft)  # checks the draft before the target loads
+    options = drafter_options(args, "ar" if autoregressive else method)
     hf_logging.disable_progress_bar()
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     if autoregressive:
         return target, None
-    options = {} if method == "ngram" else {"sample_drafts": args.draft_sampling == "sample"}
     return target, build_drafter(method, target, None if method == "ngram" else args.draft, **options)
+
+
+def drafter_options(args, method: str) -> dict:
+    """The options of the drafter ``method`` from the command line."""
+    denoise_steps = getattr(args, "denoise_steps", 1)  # serve has no --denoise-steps
+    if denoise_steps != 1 and method != "dflash":
+        raise BlockspecError(f"--denoise-steps is for the dflash drafter (a block denoiser), not {method}: "
+                             "drop it or use --method dflash")
+    options = {} if method in ("ngram", "ar") else {"sample_drafts": args.draft_sampling == "sample"}
+    if method == "dflash":
+        options["denoise_steps"] = denoise_steps
+    return options
 
 
 def run_generate(args) -> int:

@@ -1,5 +1,7 @@
 """The DFlash drafter denoising its block in K passes: the schedule, the passes, losslessness."""
 
+import json
+
 import pytest
 import torch
 from conftest import make_dflash
@@ -7,6 +9,7 @@ from test_lossless import MAX_NEW, hf_greedy, prompts
 from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, small_target
 from tiny_models import make_causal_lm
 
+from blockspec.cli import main
 from blockspec.decoding.generate import GenerationConfig, positions, speculative_generate
 from blockspec.decoding.sampling import SamplingConfig
 from blockspec.errors import BlockspecError
@@ -134,3 +137,26 @@ def test_denoised_sampling_matches_target_sampling():
     probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
     counts = sampled_first_tokens(target, drafter, sampling, SAMPLES)
     assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
+
+
+# --- the command line and the benchmark ----------------------------------------------------
+
+def test_generate_with_denoise_steps_equals_plain_decoding(tiny_target_dir, tiny_draft_dir, capsys):
+    outputs = []
+    for extra in (["--method", "ar"], ["--draft", str(tiny_draft_dir), "--denoise-steps", "3"]):
+        assert main(["generate", "--target", str(tiny_target_dir), *extra, "--max-new-tokens", "20",
+                     "--json", "Write a function"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "ngram", "--denoise-steps", "2"], "--denoise-steps is for the dflash drafter"),
+    (["--method", "ar", "--denoise-steps", "2"], "--denoise-steps is for the dflash drafter"),
+    (["--draft", "DRAFT", "--denoise-steps", "0"], "denoise_steps must be a whole number >= 1"),
+])
+def test_bad_denoise_steps_are_one_clear_line(tiny_target_dir, tiny_draft_dir, args, message, capsys):
+    args = [str(tiny_draft_dir) if a == "DRAFT" else a for a in args]
+    assert main(["generate", "--target", str(tiny_target_dir), *args, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and message in err
