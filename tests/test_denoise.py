@@ -9,11 +9,14 @@ from test_lossless import MAX_NEW, hf_greedy, prompts
 from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, small_target
 from tiny_models import make_causal_lm
 
+from blockspec.bench.methods import MethodName, build_methods, parse_method_name
 from blockspec.cli import main
 from blockspec.decoding.generate import GenerationConfig, positions, speculative_generate
 from blockspec.decoding.sampling import SamplingConfig
 from blockspec.errors import BlockspecError
+from blockspec.models import build_drafter
 from blockspec.models.dflash import DFlashDrafter, denoise_schedule
+from blockspec.models.target import load_target
 
 
 @pytest.mark.parametrize("num_tokens,steps,expected", [
@@ -160,3 +163,56 @@ def test_bad_denoise_steps_are_one_clear_line(tiny_target_dir, tiny_draft_dir, a
     assert main(["generate", "--target", str(tiny_target_dir), *args, "hello"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("blockspec: error: ") and message in err
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("dflash", MethodName("dflash")),
+    ("dflash/d2", MethodName("dflash", None, 2)),
+    ("dflash@8/d4", MethodName("dflash", "8", 4)),
+    ("dflash@t32/d2", MethodName("dflash", "t32", 2)),
+    ("dflash@auto", MethodName("dflash", "auto")),
+    ("dflash/d1", MethodName("dflash")),
+    ("hf-prompt-lookup", MethodName("hf-prompt-lookup")),
+])
+def test_method_names_with_denoising_passes(name, expected):
+    assert parse_method_name(name) == expected
+
+
+def test_the_drafter_key_names_its_passes():
+    assert parse_method_name("dflash@16/d4").drafter == "dflash/d4"
+    assert parse_method_name("dflash@16/d1").drafter == parse_method_name("dflash").drafter == "dflash"
+
+
+@pytest.mark.parametrize("name,message", [
+    ("dflash/d0", "after '/' give d and the denoising passes >= 1"),
+    ("dflash/2", "after '/' give d"),
+    ("dflash/dx", "after '/' give d"),
+    ("eagle3/d2", "only dflash denoises"),
+])
+def test_bad_denoising_suffixes_are_refused(name, message):
+    with pytest.raises(BlockspecError, match=message):
+        parse_method_name(name)
+
+
+def test_bench_methods_run_their_own_drafters(tiny_target_dir, tiny_draft_dir):
+    target = load_target(str(tiny_target_dir), device="cpu")
+    drafters = {"dflash": build_drafter("dflash", target, str(tiny_draft_dir)),
+                "dflash/d2": build_drafter("dflash", target, str(tiny_draft_dir), denoise_steps=2)}
+    methods = build_methods(["ar", "dflash", "dflash/d2", "dflash@4/d2", "dflash@t8/d2"], target, drafters=drafters)
+    assert [m.drafter and m.drafter.denoise_steps for m in methods] == [None, 1, 2, 2, 2]
+    assert [(m.block_size, m.tree_budget) for m in methods[2:]] == [(None, None), (4, None), (None, 8)]
+
+
+def test_bench_compares_denoising_passes_side_by_side(tiny_target_dir, tiny_draft_dir, tmp_path, capsys):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"id": "a/0", "dataset": "a", "turns": ["the cat sat on the mat"]}) + "\n")
+    code = main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir),
+                 "--methods", "ar,dflash,dflash/d2,dflash@auto/d3", "--datasets", str(prompts_file),
+                 "--max-new-tokens", "8", "--warmup-tokens", "0", "--no-chat-template", "--no-progress",
+                 "--out", str(tmp_path / "out")])
+    assert code == 0  # a greedy run: every method's tokens equal ar's
+    table = capsys.readouterr().out
+    for method in ("ar", "dflash", "dflash/d2", "dflash@auto/d3"):
+        assert f"| a | {method} |" in table
+    curves = json.loads((tmp_path / "out" / "calibration.json").read_text())
+    assert [label.split()[0] for label in curves] == ["dflash/d3"]

@@ -28,8 +28,10 @@ def add_bench_command(commands) -> None:
                         help="comma-separated: ar, hf, hf-prompt-lookup, hf-assisted, and the drafters "
                              "dflash, eagle3, mtp, draft, ngram, each also as METHOD@WIDTH with its own verify "
                              "width, e.g. dflash@4,dflash@16,dflash@auto, or with a token tree of N nodes, "
-                             "dflash@t32 (default: ar,hf,hf-prompt-lookup,ngram, plus dflash when a DFlash drafter "
-                             "is known, plus the methods of every --draft, plus draft,hf-assisted with --assistant)")
+                             "dflash@t32; dflash also as dflash[@WIDTH]/dK, drafting in K denoising passes, "
+                             "e.g. dflash/d2,dflash@8/d4 (default: ar,hf,hf-prompt-lookup,ngram, plus dflash "
+                             "when a DFlash drafter is known, plus the methods of every --draft, plus "
+                             "draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
                         help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for eagle3, mtp, draft "
                              "(repeatable; "
@@ -109,10 +111,13 @@ def run_bench_command(args) -> int:
 
 def write_calibration(methods, out: Path, *, plots: bool) -> dict[str, Path]:
     """The adaptive-width policies' confidence calibration (predicted vs observed acceptance), if any ran."""
+    from blockspec.bench.methods import parse_method_name
+
     curves = {}
-    for drafter in dict.fromkeys(getattr(m, "drafter", None) for m in methods if getattr(m, "drafter", None)):
+    drafters = {parse_method_name(m.name).drafter: m.drafter for m in methods if getattr(m, "drafter", None)}
+    for label, drafter in drafters.items():  # dflash and dflash/d2: two drafters of one name
         for (kind, widest), policy in getattr(drafter, "width_policies", {}).items():
-            curves[f"{drafter.name} {kind} (widest {widest})"] = policy.calibrator.curve()
+            curves[f"{label} {kind} (widest {widest})"] = policy.calibrator.curve()
     if not curves:
         return {}
     import json
@@ -143,21 +148,25 @@ def load_methods(args):
     """The target and the methods the options name, each drafter loaded once."""
     from transformers.utils import logging as hf_logging
 
-    from blockspec.bench.methods import build_methods
+    from blockspec.bench.methods import build_methods, parse_method_name
     from blockspec.models import CHECKPOINT_METHODS, DRAFT_METHODS, build_drafter
     from blockspec.models.target import load_target
 
     hf_logging.disable_progress_bar()
     drafts = parse_drafts(args.draft, args.target)
     names = parse_methods(args.methods, drafts, args.assistant)
+    # dflash@4 and dflash@auto share one drafter; dflash/d2 has its own (its own state and calibration).
+    specs = {spec.drafter: spec for spec in map(parse_method_name, names)}
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafters = {}
-    for name in dict.fromkeys(n.partition("@")[0] for n in names):  # dflash@4 and dflash@auto share one drafter
+    for key, spec in specs.items():
+        name = spec.base
         if name in DRAFT_METHODS:
             draft = drafts.get(name) or (args.assistant if name == "draft" else None)
             if name in CHECKPOINT_METHODS and draft is None:
                 raise BlockspecError(f"the {name} method needs --draft {name}=DIR (its checkpoint) for this target")
-            drafters[name] = build_drafter(name, target, draft)
+            options = {} if spec.denoise_steps == 1 else {"denoise_steps": spec.denoise_steps}
+            drafters[key] = build_drafter(name, target, draft, **options)
     assistant = None
     if "hf-assisted" in names:  # the draft method's LM when it is the same one, loaded once
         wanted = args.assistant or drafts["draft"]

@@ -195,6 +195,35 @@ class MemoryMeter:
             self._peak = max(self._peak, self._process.memory_info().rss)
 
 
+@dataclass(frozen=True)
+class MethodName:
+    """A benchmark method's name taken apart: METHOD[@WIDTH][/dK]."""
+
+    base: str
+    #: After '@': a verify width, 'auto', or t and a tree budget (None: the run's width).
+    width: str | None = None
+    #: After '/d': the dflash drafter's denoising passes.
+    denoise_steps: int = 1
+
+    @property
+    def drafter(self) -> str:
+        """The drafter it runs: METHOD, or METHOD/dK when it denoises in K passes."""
+        return self.base if self.denoise_steps == 1 else f"{self.base}/d{self.denoise_steps}"
+
+
+def parse_method_name(name: str) -> MethodName:
+    head, slash, steps = name.partition("/")
+    base, at, width = head.partition("@")
+    if not slash:
+        return MethodName(base, width if at else None)
+    if not (steps.startswith("d") and steps[1:].isdigit() and int(steps[1:]) >= 1):
+        raise BlockspecError(f"benchmark method {name!r}: after '/' give d and the denoising passes >= 1 "
+                             "(dflash/d2)")
+    if base != "dflash":
+        raise BlockspecError(f"benchmark method {name!r}: only dflash denoises in passes (/dK)")
+    return MethodName(base, width if at else None, int(steps[1:]))
+
+
 def parse_width(name: str, width: str) -> int | str:
     """The WIDTH of a METHOD@WIDTH benchmark method: a whole number >= 1 or 'auto'."""
     if width == "auto":
@@ -205,10 +234,20 @@ def parse_width(name: str, width: str) -> int | str:
     return int(width)
 
 
+def drafter_method(name: str, width: str | None, model, drafter) -> LoopMethod:
+    """A drafter's method with its own verify width or tree budget, if its name gives one."""
+    if width is None:
+        return LoopMethod(name, model, drafter)
+    if width.startswith("t") and width[1:] != "auto":
+        return LoopMethod(name, model, drafter, tree_budget=parse_width(name, width[1:]))
+    return LoopMethod(name, model, drafter, block_size=parse_width(name, width))
+
+
 def build_methods(names, target, *, drafters: dict | None = None, assistant=None,
                   block_size: int | None = None) -> list:
     """Methods by name: the baselines, ``hf-assisted`` (needs ``assistant``, a draft LM), and
-    any name in ``drafters`` (name -> Drafter) through blockspec's loop."""
+    METHOD[@WIDTH][/dK] for any ``MethodName.drafter`` in ``drafters`` (name -> Drafter) through
+    blockspec's loop."""
     drafters = drafters or {}
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (target.stop_token_ids() or [0])[0]
@@ -228,15 +267,8 @@ def build_methods(names, target, *, drafters: dict | None = None, assistant=None
                                      "(a smaller causal LM with the target's tokenizer)")
             methods.append(HFGenerateMethod(name, target.model, pad_token_id=pad, assistant=assistant,
                                             assistant_tokens=draft_tokens))
-        elif name in drafters:
-            methods.append(LoopMethod(name, target.model, drafters[name]))
-        elif "@" in name and name.partition("@")[0] in drafters:
-            base, _, width = name.partition("@")
-            if width.startswith("t") and width[1:] != "auto":
-                methods.append(LoopMethod(name, target.model, drafters[base],
-                                          tree_budget=parse_width(name, width[1:])))
-            else:
-                methods.append(LoopMethod(name, target.model, drafters[base], block_size=parse_width(name, width)))
+        elif (spec := parse_method_name(name)).drafter in drafters:
+            methods.append(drafter_method(name, spec.width, target.model, drafters[spec.drafter]))
         else:
             known = list(BASELINES) + ["hf-assisted"] + list(drafters)
             raise BlockspecError(f"unknown benchmark method {name!r}: choose from {', '.join(known)}")
