@@ -8,6 +8,7 @@ import sys
 
 from blockspec.bench.cli import add_bench_command
 from blockspec.demo import add_demo_command
+from blockspec.dllm.cli import add_dllm_parsers
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_command(commands)
     add_models_command(commands)
     add_train_draft_command(commands)
+    add_dllm_parsers(commands)
     add_demo_command(commands)
     add_bench_command(commands)
     add_serve_command(commands)

@@ -1,5 +1,5 @@
 """Masked diffusion training: the loss, the noise, shifted reads, block-causal attention,
-adaptation, exact resume, safe checkpoints, the data, loading by path."""
+adaptation, exact resume, safe checkpoints, the data, loading by path, the CLI."""
 
 import json
 import math
@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_models import CORPUS, make_causal_lm, make_tokenizer, save_tiny_target
 
+from blockspec.cli import main
 from blockspec.dllm import train as train_module
 from blockspec.dllm.model import (
     BLOCK_CAUSAL,
@@ -417,3 +418,32 @@ def test_a_plain_causal_lm_needs_a_mask_token(tmp_path):
     model, _ = load_diffusion_model(directory, device="cpu", mask_token_id=3)
     assert (model.mask_token_id, model.shifted, model.attention, model.block_size) == (3, False, "bidirectional",
                                                                                        None)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+def test_dllm_train_from_the_command_line(tmp_path, capsys):
+    target = save_tiny_target(tmp_path / "target")
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out = tmp_path / "run"
+    args = ["dllm", "train", "--init", str(target), "--data", str(prompts), "--out", str(out), "--steps", "3",
+            "--batch-size", "2", "--max-length", "48", "--attention", "block_causal", "--block-size", "8",
+            "--lr", "1e-3", "--save-every", "2"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert f"saved the diffusion model to {out / 'model'}" in captured.out
+    assert "(mean of the first 1 steps) ->" in captured.err and "s/step" in captured.err
+    settings = json.loads((out / "model" / "config.json").read_text())["dllm"]
+    assert settings["attention"] == "block_causal" and settings["block_size"] == 8 and settings["shifted"]
+    assert main(args) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+
+
+def test_dllm_train_reports_bad_data_in_one_line(tmp_path, capsys):
+    target = save_tiny_target(tmp_path / "target")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["dllm", "train", "--init", str(target), "--data", str(empty), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and "is empty" in err and "Traceback" not in err
