@@ -17,6 +17,7 @@ from blockspec.dllm import train as train_module
 from blockspec.dllm.model import (
     BLOCK_CAUSAL,
     additive_mask,
+    answer_blocks,
     block_causal_mask,
     block_diffusion_training_mask,
     config_mask_token_id,
@@ -34,6 +35,7 @@ from blockspec.dllm.train import (
     masked_diffusion_loss,
     model_loss,
     prediction_source,
+    training_blocks,
 )
 from blockspec.errors import BlockspecError
 from blockspec.training.data import TrainingSample
@@ -139,14 +141,16 @@ class NamesTheRowItReadsFrom(torch.nn.Module):
     ("bidirectional", False, [0, 1, 2, 3, 4, 5, 6, 7]),
     ("bidirectional", True, [0, 0, 1, 2, 3, 4, 5, 6]),  # token i is read at i-1 (token 0 is never masked)
     ("block_causal", False, [0, 1, 2, 3, 4, 5, 6, 7]),
-    # blocks of 4 in a doubled sequence of 16: token 4 opens block 1 and is read at the clean copy of 3 (8 + 3)
+    # pre-training (no prompt): blocks of 4 from position 0 in a doubled sequence of 16; token 4
+    # opens the second block and is read at the clean copy of 3 (8 + 3)
     ("block_causal", True, [0, 0, 1, 2, 8 + 3, 4, 5, 6]),
 ])
 def test_each_prediction_is_read_where_inference_can_read_it(attention, shifted, expected_rows):
     length, mask_id = 8, 17
     rows = torch.tensor(expected_rows)
-    assert torch.equal(prediction_source(torch.arange(1 if shifted else 0, length), length, shifted=shifted,
-                                         block_size=4 if attention == BLOCK_CAUSAL else None),
+    positions = torch.arange(1 if shifted else 0, length)
+    opens = positions % 4 == 0 if attention == BLOCK_CAUSAL else None
+    assert torch.equal(prediction_source(positions, length, shifted=shifted, opens_block=opens),
                        rows[1 if shifted else 0:])
     batch = collate([TrainingSample(rows, torch.ones(length, dtype=torch.bool))], pad_id=0)
     config = DiffusionTrainConfig(out="unused", sft=False, shifted=shifted, attention=attention, block_size=4)
@@ -160,9 +164,15 @@ def test_each_prediction_is_read_where_inference_can_read_it(attention, shifted,
 
 # --- block-causal attention -----------------------------------------------------------------
 
+def test_the_prompt_is_block_zero_and_answer_blocks_start_at_the_answer():
+    batch = token_batch([8, 6], [3, 0])
+    assert training_blocks(batch, 2).tolist() == [[0, 0, 0, 1, 1, 2, 2, 3], [1, 1, 2, 2, 3, 3, 4, 4]]
+    assert answer_blocks(torch.tensor([3]), 8, 2).tolist() == [[0, 0, 0, 1, 1, 2, 2, 3]]  # as the sampler cuts it
+
+
 def test_the_block_diffusion_mask_entry_by_entry():
     length, size = 5, 2  # blocks 0 0 1 1 2 (the last one short)
-    mask = block_diffusion_training_mask(length, size)
+    mask = block_diffusion_training_mask(torch.arange(length) // size)
     assert mask.shape == (10, 10) and mask.dtype == torch.bool
     block = [0, 0, 1, 1, 2]
     for q in range(10):
@@ -178,7 +188,7 @@ def test_the_block_diffusion_mask_entry_by_entry():
             else:
                 expected = bk <= bq  # causal over clean blocks
             assert bool(mask[q, k]) == expected, (q, k)
-    assert torch.equal(block_diffusion_training_mask(4, 2).int(), torch.tensor([
+    assert torch.equal(block_diffusion_training_mask(torch.tensor([0, 0, 1, 1])).int(), torch.tensor([
         [1, 1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0, 0],
         [0, 0, 1, 1, 1, 1, 0, 0],
@@ -189,7 +199,8 @@ def test_the_block_diffusion_mask_entry_by_entry():
         [0, 0, 0, 0, 1, 1, 1, 1],
     ]))
     # the clean quadrant is the inference mask (the block being denoised sees itself and earlier blocks)
-    assert torch.equal(mask[length:, length:], block_causal_mask(torch.arange(length), torch.arange(length), size))
+    blocks = torch.tensor(block)
+    assert torch.equal(mask[length:, length:], block_causal_mask(blocks, blocks))
 
 
 def test_padding_keys_are_hidden_in_both_copies():
@@ -198,7 +209,7 @@ def test_padding_keys_are_hidden_in_both_copies():
     assert ids.shape == (2, 12) and torch.equal(positions[:, :6], positions[:, 6:])
     assert visible.shape == (2, 1, 12, 12)
     assert not visible[1, 0, :, [4, 5, 10, 11]].any()
-    assert torch.equal(visible[0, 0], block_diffusion_training_mask(6, 2))
+    assert torch.equal(visible[0, 0], block_diffusion_training_mask(training_blocks(batch, 2)[0]))
 
 
 def hidden_states(model, ids, batch, attention, block_size=2):
@@ -272,7 +283,7 @@ def test_the_saved_model_loads_with_its_diffusion_settings(tokenizer, samples, t
         tokenizer.convert_tokens_to_ids("<|mask|>"), True, "block_causal", 4)
     assert len(loaded_tokenizer) == len(tokenizer)
     ids = torch.tensor([[5, 6, 7, model.mask_token_id]])
-    visible = block_causal_mask(torch.arange(4), torch.arange(4), 4)[None, None]
+    visible = block_causal_mask(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))[None, None]
     logits = model.logits(ids, position_ids=torch.arange(4)[None], attention_mask=visible)
     assert logits.shape == (1, 4, len(tokenizer))
 

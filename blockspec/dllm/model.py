@@ -67,32 +67,38 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 # Block-causal attention (block diffusion, BD3-LM)
 # ---------------------------------------------------------------------------
-# Blocks are aligned at absolute positions: block b holds positions [b * S, (b + 1) * S).
+# The prompt is block 0; the answer is cut into blocks of S positions from its first token
+# (block 1 = the answer's first S tokens, ...). Training and sampling share this layout.
 
-def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def answer_blocks(prompt_lengths: torch.Tensor, length: int, block_size: int) -> torch.LongTensor:
+    """[B, L] block index of every position: 0 in the prompt, 1 + (i - prompt_length) // S after it."""
+    positions = torch.arange(length, device=prompt_lengths.device)[None, :]
+    offset = positions - prompt_lengths[:, None]
+    return torch.where(offset < 0, 0, 1 + torch.div(offset, block_size, rounding_mode="floor"))
+
+
+def block_causal_mask(query_blocks: torch.Tensor, key_blocks: torch.Tensor) -> torch.Tensor:
     """[..., Q, K] bool, True = visible: a query sees every key whose block is not after its own.
 
     This is the mask of inference: the block being denoised sees itself (bidirectionally)
     and the clean blocks before it (fed before, or kept in the KV cache).
     """
-    key_blocks = torch.div(key_positions, block_size, rounding_mode="floor")
-    query_blocks = torch.div(query_positions, block_size, rounding_mode="floor")
     return key_blocks[..., None, :] <= query_blocks[..., :, None]
 
 
-def block_diffusion_training_mask(length: int, block_size: int, device=None) -> torch.Tensor:
-    """[2L, 2L] bool visibility of the doubled training sequence [x_t ; x_0], True = visible.
+def block_diffusion_training_mask(blocks: torch.Tensor) -> torch.Tensor:
+    """[..., 2L, 2L] bool visibility of the doubled training sequence [x_t ; x_0], True = visible,
+    from the block index [..., L] of each position.
 
     Rows and columns 0..L-1 are the noisy copy x_t, L..2L-1 the clean copy x_0, both at the
     positions 0..L-1. Noisy block b sees noisy block b (bidirectionally) and clean blocks < b;
     clean block b sees clean blocks <= b and nothing noisy. One forward thus trains every block
     to be denoised from the clean blocks before it, as at inference.
     """
-    blocks = torch.arange(length, device=device) // block_size
-    query, key = blocks[:, None], blocks[None, :]
-    noisy_rows = torch.cat([key == query, key < query], dim=1)
-    clean_rows = torch.cat([torch.zeros_like(noisy_rows[:, :length]), key <= query], dim=1)
-    return torch.cat([noisy_rows, clean_rows], dim=0)
+    query, key = blocks[..., :, None], blocks[..., None, :]
+    noisy_rows = torch.cat([key == query, key < query], dim=-1)
+    clean_rows = torch.cat([torch.zeros_like(key == query), key <= query], dim=-1)
+    return torch.cat([noisy_rows, clean_rows], dim=-2)
 
 
 @dataclass

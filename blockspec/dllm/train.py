@@ -12,8 +12,8 @@ the diffusion one, and keep the AR habit of predicting the NEXT token (shifted l
 Two attentions:
 
 - ``bidirectional``: every token sees every token (LLaDA, Dream).
-- ``block_causal`` (block diffusion, BD3-LM): the sequence is cut into blocks of
-  ``block_size`` positions aligned at position 0 (block b = [b*S, (b+1)*S)); block b is
+- ``block_causal`` (block diffusion, BD3-LM): the prompt is block 0 and the response is cut
+  into blocks of ``block_size`` positions from its first token (``answer_blocks``); block b is
   denoised from the CLEAN blocks before it, as at inference, where finished blocks sit in
   the KV cache. Training runs the doubled sequence [x_t ; x_0] in one forward with
   ``block_diffusion_training_mask``; the loss covers the masked tokens of the noisy copy.
@@ -23,7 +23,7 @@ Which hidden state predicts token i (``prediction_source``):
 - not shifted: the hidden state of position i (in the noisy copy).
 - shifted, bidirectional: the hidden state of position i-1; token 0 is never masked.
 - shifted, block_causal: inside a block, the noisy copy's hidden state of i-1; for the first
-  token of block b (i = b*S), the CLEAN copy's hidden state of i-1, the last token of block
+  token of a block b > 0, the CLEAN copy's hidden state of i-1, the last token of block
   b-1 seen with clean blocks <= b-1 only. At inference that is the hidden state the forward
   that commits block b-1 computes (the one that writes its exact KV cache); it does not
   change while block b is denoised.
@@ -55,6 +55,7 @@ from blockspec.dllm.model import (
     BIDIRECTIONAL,
     BLOCK_CAUSAL,
     additive_mask,
+    answer_blocks,
     block_diffusion_training_mask,
     diffusion_settings,
 )
@@ -136,17 +137,25 @@ def masked_diffusion_loss(logits: torch.Tensor, targets: torch.LongTensor, maske
 
 
 def prediction_source(positions: torch.LongTensor, length: int, *, shifted: bool,
-                      block_size: int | None = None) -> torch.LongTensor:
+                      opens_block: torch.BoolTensor | None = None) -> torch.LongTensor:
     """Where the prediction of each token position is read: an index into the hidden states
-    of the sequence the model ran on ([L], or the doubled [x_t ; x_0] of length 2L when
-    ``block_size`` is given). See the module docstring for the rule."""
+    of the sequence the model ran on ([L], or the doubled [x_t ; x_0] of length 2L for block
+    diffusion, where ``opens_block`` says which positions start a block). See the module
+    docstring for the rule."""
     if not shifted:
         return positions
     source = positions - 1
-    if block_size is not None:
-        first_of_block = (positions % block_size == 0) & (positions > 0)
-        source = torch.where(first_of_block, source + length, source)  # the clean copy
+    if opens_block is not None:
+        source = torch.where(opens_block & (positions > 0), source + length, source)  # the clean copy
     return source
+
+
+def training_blocks(batch: TokenBatch, block_size: int) -> torch.LongTensor:
+    """[B, L] block index per position: the prompt (everything before the response) is block 0."""
+    has_response = batch.response_mask.any(dim=1)
+    first_response = batch.response_mask.long().argmax(dim=1)
+    prompt_lengths = torch.where(has_response, first_response, 0)
+    return answer_blocks(prompt_lengths, batch.input_ids.shape[1], block_size)
 
 
 def maskable_positions(batch: TokenBatch, *, sft: bool, shifted: bool) -> torch.BoolTensor:
@@ -166,9 +175,9 @@ def diffusion_inputs(noisy_ids: torch.LongTensor, batch: TokenBatch, *, attentio
         return noisy_ids, batch.position_ids, visible
     ids = torch.cat([noisy_ids, batch.input_ids], dim=1)
     positions = torch.cat([batch.position_ids, batch.position_ids], dim=1)
-    structure = block_diffusion_training_mask(length, block_size, device=ids.device)
+    structure = block_diffusion_training_mask(training_blocks(batch, block_size))
     real_keys = torch.cat([batch.valid, batch.valid], dim=1)
-    return ids, positions, structure[None, None] & real_keys[:, None, None, :]
+    return ids, positions, structure[:, None] & real_keys[:, None, None, :]
 
 
 def model_loss(model, batch: TokenBatch, mask_token_id: int, config: DiffusionTrainConfig, *,
@@ -185,8 +194,11 @@ def model_loss(model, batch: TokenBatch, mask_token_id: int, config: DiffusionTr
     hidden = model.base_model(input_ids=ids, attention_mask=additive_mask(visible, dtype),
                               position_ids=positions).last_hidden_state
     rows, cols = noised.masked.nonzero(as_tuple=True)
-    block_size = config.block_size if config.attention == BLOCK_CAUSAL else None
-    source = prediction_source(cols, batch.input_ids.shape[1], shifted=config.shifted, block_size=block_size)
+    opens_block = None
+    if config.attention == BLOCK_CAUSAL:
+        blocks = training_blocks(batch, config.block_size)
+        opens_block = blocks[rows, cols] != blocks[rows, (cols - 1).clamp(min=0)]
+    source = prediction_source(cols, batch.input_ids.shape[1], shifted=config.shifted, opens_block=opens_block)
     logits = model.get_output_embeddings()(hidden[rows, source])
     if config.sft:
         return masked_diffusion_loss(logits, batch.input_ids, noised.masked, noised.p_mask,
@@ -561,7 +573,10 @@ def adapt(init: str, files, config: DiffusionTrainConfig, *, resume: bool = Fals
     path = resolve_path(str(init))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        samples = load_training_samples(files, tokenizer, max_length=config.max_length)  # bad data fails fast
+    except (OSError, ValueError) as error:
+        raise BlockspecError(f"could not load the tokenizer of the model to adapt from {path}: {error}") from error
+    samples = load_training_samples(files, tokenizer, max_length=config.max_length)  # bad data fails fast
+    try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as error:
         raise BlockspecError(f"could not load the model to adapt from {path}: {error}") from error
