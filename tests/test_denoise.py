@@ -107,6 +107,16 @@ def test_denoised_greedy_equals_plain_greedy(target_and_references, block_size, 
         assert all(1 <= n <= block_size for n in stream.stats.acceptance_lengths)
 
 
+def test_a_tree_from_denoised_passes_equals_plain_greedy(target_and_references):
+    target, references = target_and_references
+    drafter = DFlashDrafter(make_dflash(target, block_size=16), target, denoise_steps=3)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, tree_budget=12)
+    for ids, expected in references:
+        stream = speculative_generate(target, ids, drafter, config)
+        list(stream)
+        assert stream.token_ids == expected
+
+
 def test_denoised_drafts_are_deterministic_when_sampling():
     target = small_target()
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
