@@ -64,3 +64,36 @@ def test_bench_compares_settings_with_the_ar_target(adapted, tmp_path, capsys):
                                                           "fast-dllm:threshold=0.9,block=8"]
     assert all(r["prompts"] == 2 for r in summary["results"])
     assert (out / "accuracy_vs_speed.png").exists()
+
+
+def test_bench_resume_keeps_finished_settings_and_runs_the_rest(adapted, tmp_path, capsys, monkeypatch):
+    target, model = adapted
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} plus 2?", "answer": f"#### {a + 2}"}) + "\n"
+                            for a in range(2)))
+    out = tmp_path / "bench"
+    common = ["dllm", "bench", "--model", str(model), "--dataset", str(data), "--num-prompts", "2",
+              "--gen-length", "8", "--ar-target", str(target), "--out", str(out)]
+    assert main(common + ["--setting", "llada:steps=8,block=4"]) == 0
+    first = json.loads((out / "summary.json").read_text())["results"]
+
+    from blockspec.dllm import bench
+
+    ran = []
+    original = bench.run_setting
+    monkeypatch.setattr(bench, "run_setting", lambda *a, **k: ran.append(a[4]) or original(*a, **k))
+    monkeypatch.setattr(bench, "run_autoregressive", lambda *a, **k: pytest.fail("the AR target ran again"))
+    assert main(common + ["--setting", "llada:steps=8,block=4", "llada:steps=4,block=4", "--resume"]) == 0
+    assert ran == ["llada:steps=4,block=4"]
+    second = json.loads((out / "summary.json").read_text())["results"]
+    exact = ("setting", "prompts", "accuracy", "tokens", "forwards")
+    assert [{k: r[k] for k in exact} for r in second[:2]] == [{k: r[k] for k in exact} for r in first]
+    assert [r["seconds"] for r in second[:2]] == pytest.approx([r["seconds"] for r in first], abs=1e-4)
+    assert [r["setting"] for r in second] == ["ar (target)", "llada:steps=8,block=4", "llada:steps=4,block=4"]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 6
+
+    capsys.readouterr()
+    assert main(common[:-4] + ["--gen-length", "4", "--ar-target", str(target), "--out", str(out),
+                               "--setting", "llada:steps=4,block=4", "--resume"]) == 2
+    assert "other options" in capsys.readouterr().err

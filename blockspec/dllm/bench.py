@@ -25,6 +25,7 @@ SCHEDULER_KEYS = {"count": str, "score": str, "select": str, "threshold": float,
 CONFIG_KEYS = {"steps": int, "block_length": int, "block": int, "cache": str, "temperature": float,
                "top_p": float, "top_k": int, "cfg_scale": float, "cfg": float, "attention": str}
 ALIASES = {"block": "block_length", "cfg": "cfg_scale"}
+AR_NAME = "ar (target)"
 
 
 def default_settings(gen_length: int) -> list[str]:
@@ -117,8 +118,8 @@ class SettingResult:
 
     def summary(self) -> dict:
         return {"setting": self.name, "prompts": self.prompts, "accuracy": round(self.accuracy, 4),
-                "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
-                "forwards_per_token": round(self.forwards_per_token, 4), "seconds": round(self.seconds, 2)}
+                "tokens": self.tokens, "forwards": self.forwards, "tokens_per_s": round(self.tokens_per_s, 2),
+                "forwards_per_token": round(self.forwards_per_token, 4), "seconds": round(self.seconds, 4)}
 
 
 def run_setting(model, tokenizer, rows, prompt_ids, name: str, config: DiffusionConfig, *,
@@ -148,7 +149,7 @@ def run_autoregressive(target_model, tokenizer, rows, prompt_ids, gen_length: in
     """The AR target through blockspec's own loop (greedy, one forward per token)."""
     from blockspec.decoding.generate import GenerationConfig, speculative_generate
 
-    result = SettingResult("ar (target)")
+    result = SettingResult(AR_NAME)
     config = GenerationConfig(max_new_tokens=gen_length)
     for row, ids in tqdm(list(zip(rows, prompt_ids)), desc="ar", unit="prompt", disable=not progress,
                          dynamic_ncols=True):
@@ -182,8 +183,31 @@ def write_report(results: list[SettingResult], out: Path, meta: dict) -> None:
     _plot(results, out / "accuracy_vs_speed.png")
 
 
+def load_report(out: Path, meta: dict) -> list[SettingResult]:
+    """The settings an earlier run with the same ``meta`` finished in ``out`` (none if it differs or is absent)."""
+    summary_path, samples_path = out / "summary.json", out / "samples.jsonl"
+    if not summary_path.exists() or not samples_path.exists():
+        return []
+    try:
+        summary = json.loads(summary_path.read_text())
+        samples = [json.loads(line) for line in samples_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise BlockspecError(f"{out}: the earlier report is not valid JSON ({error}); remove it or drop --resume") from None
+    if summary.get("meta") != meta:
+        raise BlockspecError(f"{out} holds a report made with other options ({summary.get('meta')}); "
+                             "use the same options, another --out, or drop --resume")
+    results = []
+    for entry in summary.get("results", []):
+        rows = [{k: v for k, v in sample.items() if k != "setting"} for sample in samples
+                if sample.get("setting") == entry["setting"]]
+        results.append(SettingResult(entry["setting"], prompts=entry["prompts"],
+                                     correct=sum(bool(r["correct"]) for r in rows), tokens=entry["tokens"],
+                                     forwards=entry["forwards"], seconds=entry["seconds"], samples=rows))
+    return results
+
+
 def format_table(results: list[SettingResult]) -> str:
-    reference = next((r for r in results if r.name.startswith("ar")), None)
+    reference = next((r for r in results if r.name == AR_NAME), None)
     lines = [f"{'setting':42s} {'acc':>6s} {'tok/s':>7s} {'fwd/tok':>8s} {'vs AR':>6s}"]
     for result in results:
         ratio = result.tokens_per_s / reference.tokens_per_s if reference and reference.tokens_per_s else float("nan")
@@ -200,7 +224,7 @@ def _plot(results: list[SettingResult], path: Path) -> None:
 
     figure, axis = plt.subplots(figsize=(6.5, 4.2))
     for result in results:
-        marker = "s" if result.name.startswith("ar") else "o"
+        marker = "s" if result.name == AR_NAME else "o"
         axis.scatter(result.tokens_per_s, 100 * result.accuracy, marker=marker)
         axis.annotate(result.name, (result.tokens_per_s, 100 * result.accuracy), fontsize=7,
                       xytext=(4, 3), textcoords="offset points")

@@ -211,7 +211,10 @@ def add_bench_parser(commands) -> None:
     parser.add_argument("--ar-target", default=DEFAULT_TARGET,
                         help=f"the AR model to compare with on the same prompts ('none' to skip; default {DEFAULT_TARGET})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/dllm-bench", help="where summary.json, samples.jsonl and the plot go")
+    parser.add_argument("--out", default="runs/dllm-bench",
+                        help="where summary.json, samples.jsonl and the plot go (rewritten after every setting)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the settings an earlier run with the same options finished in --out; run the rest")
     parser.set_defaults(run=run_bench)
 
 
@@ -230,16 +233,24 @@ def run_bench(args) -> int:
     model, tokenizer = load_diffusion_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device,
                                             dtype=args.dtype, mask_token_id=args.mask_token_id)
     prompt_ids = [encode(tokenizer, row["turns"][0], use_chat_template=True) for row in rows]
-    results = []
-    if args.ar_target != "none":
-        results.append(run_ar(args, rows))
+    meta = {"model": args.model, "dataset": args.dataset, "num_prompts": len(rows), "gen_length": args.gen_length,
+            "batch_size": args.batch_size, "ar_target": args.ar_target, "seed": args.seed}
+    out = Path(args.out)
+    results = bench.load_report(out, meta) if args.resume else []
+    done = {result.name for result in results}
+    if done:
+        print(f"resuming: {', '.join(sorted(done))} already in {out}")
+    if args.ar_target != "none" and bench.AR_NAME not in done:
+        results.insert(0, run_ar(args, rows))
+        bench.write_report(results, out, meta)
     for spec, config in configs:
+        if spec in done:
+            continue
         results.append(bench.run_setting(model, tokenizer, rows, prompt_ids, spec, config,
                                          batch_size=args.batch_size))
+        bench.write_report(results, out, meta)
+    bench.write_report(results, out, meta)
     print(bench.format_table(results))
-    meta = {"model": args.model, "dataset": args.dataset, "num_prompts": len(rows), "gen_length": args.gen_length,
-            "batch_size": args.batch_size, "ar_target": args.ar_target}
-    bench.write_report(results, Path(args.out), meta)
     print(f"report: {args.out}/summary.json, samples.jsonl, accuracy_vs_speed.png")
     return 0
 
