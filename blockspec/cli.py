@@ -72,7 +72,8 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=block_size_arg, default=None,
                         help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by "
-                             "the cost model from the draft's confidence) (default: the drafter's trained size)")
+                             "the cost model from the draft's confidence) (default: auto for a dflash chain, "
+                             "else the drafter's trained size)")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="verify a token tree of this many draft nodes per step (dflash; e.g. 16, 32, 64) "
                              "instead of one chain")
@@ -180,10 +181,17 @@ def run_train_draft(args) -> int:
     return 0
 
 
-def generation_config(args):
+def default_block_size(args, drafter):
+    """--block-size as given; when not given, 'auto' for a DFlash chain (the cost model picks each width)."""
+    if args.block_size is None and getattr(drafter, "name", None) == "dflash" and args.tree_budget is None:
+        return "auto"
+    return args.block_size
+
+
+def generation_config(args, block_size=None):
     from blockspec.decoding.generate import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=block_size or args.block_size,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             tree_budget=args.tree_budget, tree_top_k=args.tree_top_k)
 
@@ -232,8 +240,9 @@ def run_generate(args) -> int:
     from blockspec.decoding.text import stream_text
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    config = generation_config(args)
+    generation_config(args)  # bad sampling values are refused before the models load
     target, drafter = load_models(args)
+    config = generation_config(args, default_block_size(args, drafter))
     stream = stream_text(target, prompt, drafter, config, use_chat_template=not args.no_chat_template)
     for chunk in stream:
         if not args.json:
@@ -271,6 +280,13 @@ def add_serve_command(commands) -> None:
     add_model_options(parser)
     parser.add_argument("--draft-sampling", choices=["sample", "greedy"], default="sample",
                         help="at temperature > 0: sample drafts (default) or draft greedily")
+    parser.add_argument("--block-size", type=block_size_arg, default=None,
+                        help="verify width of every request (default: the drafter's trained size); 'auto' "
+                             "chooses it each step, and then requests are decoded one at a time")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="verify a token tree of this many draft nodes (dflash); requests are then decoded "
+                             "one at a time")
+    parser.add_argument("--tree-top-k", type=int, default=4, help="children per tree node at most (default 4)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     parser.add_argument("--port", type=int, default=8000)
@@ -285,14 +301,19 @@ def add_serve_command(commands) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
+    from blockspec.decoding.generate import GenerationConfig
     from blockspec.serve.app import create_app
+    from blockspec.serve.engine import DecodingOptions
 
     if not 0 < args.port < 65536:
         raise BlockspecError(f"--port must be 1..65535, got {args.port}")
+    decoding = DecodingOptions(args.block_size, args.tree_budget, args.tree_top_k)
+    GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
     target, drafter = load_models(args)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                     api_key=args.api_key)
-    print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}) at "
+                     api_key=args.api_key, decoding=decoding)
+    how = "one request at a time" if decoding.per_sequence else f"batches of up to {args.max_batch_size}"
+    print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, {how}) at "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -73,3 +73,18 @@ def test_the_default_target_drafts_with_the_shipped_drafter(monkeypatch):
     assert load_models(args) == ("target:smollm2-135m-instruct", (str(default_draft_path()), "dflash"))
     args = build_parser().parse_args(["generate", "--method", "ar", "hello"])
     assert load_models(args) == ("target:smollm2-135m-instruct", None)
+
+
+def test_generate_defaults_to_the_adaptive_width_for_a_dflash_chain():
+    import argparse
+    from types import SimpleNamespace
+
+    from blockspec.cli import default_block_size
+
+    dflash, eagle = SimpleNamespace(name="dflash"), SimpleNamespace(name="eagle3")
+    args = lambda **kw: argparse.Namespace(**{"block_size": None, "tree_budget": None, **kw})  # noqa: E731
+    assert default_block_size(args(), dflash) == "auto"
+    assert default_block_size(args(), eagle) is None
+    assert default_block_size(args(), None) is None
+    assert default_block_size(args(block_size=8), dflash) == 8
+    assert default_block_size(args(tree_budget=16), dflash) is None

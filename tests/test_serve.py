@@ -343,3 +343,57 @@ def test_serve_options_are_checked(tiny_target_dir, capsys):
     assert "--port" in capsys.readouterr().err
     with pytest.raises(BlockspecError, match="max_queue"):
         create_app(load_served_target(tiny_target_dir), None, max_queue=0)
+
+
+# -- trees and the adaptive width: one request at a time -----------------------------------------
+
+@pytest.mark.parametrize("options", [{"tree_budget": 8}, {"block_size": "auto"}], ids=["tree", "auto"])
+def test_per_sequence_decoding_serves_the_greedy_tokens_of_generate(tiny_target_dir, tiny_draft_dir, options):
+    from blockspec.decoding.generate import GenerationConfig, speculative_generate
+    from blockspec.decoding.sequential import SequentialEngine
+    from blockspec.serve.engine import DecodingOptions
+
+    target = load_served_target(tiny_target_dir)
+    drafter = build_drafter("dflash", target, str(tiny_draft_dir))
+    app = create_app(target, drafter, max_batch_size=8, decoding=DecodingOptions(**options))
+    assert isinstance(app.state.engine.engine, SequentialEngine)
+    prompts = PROMPTS[:6]
+    with running_server(app) as url:
+        server = Served(url, app, target)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            served_texts = list(pool.map(lambda p: complete(server, p)[0], prompts))
+        wait_until_idle(server)
+    for prompt, text in zip(prompts, served_texts):
+        ids = target.encode_prompt(prompt, use_chat_template=False)
+        stream = speculative_generate(target.model, ids, None, GenerationConfig(max_new_tokens=10))
+        for _ in stream:
+            pass
+        assert text == target.tokenizer.decode(stream.token_ids, skip_special_tokens=True), prompt
+
+
+def test_the_sequential_engine_cancels_queued_and_running_rows(tiny_target_dir, tiny_draft_dir):
+    from blockspec.decoding.generate import GenerationConfig
+    from blockspec.decoding.sequential import SequentialEngine
+
+    target = load_served_target(tiny_target_dir)
+    engine = SequentialEngine(target.model, build_drafter("dflash", target, str(tiny_draft_dir)))
+    config = GenerationConfig(max_new_tokens=30, tree_budget=6)
+    running, queued, last = (engine.add(target.encode_prompt(p, use_chat_template=False), config)
+                             for p in PROMPTS[:3])
+    engine.step()
+    engine.step()
+    assert engine.rows == [running] and list(engine.waiting) == [queued, last]
+    engine.cancel(running)
+    engine.cancel(queued)
+    events = list(engine.run())
+    assert {event.row.id for event in events} == {last.id}
+    assert running.stats.finish_reason == queued.stats.finish_reason == "cancelled"
+    assert last.finished and len(last.token_ids) == 30 and not engine.has_work
+
+
+def test_serve_refuses_a_tree_without_a_dflash_drafter(tiny_target_dir):
+    from blockspec.errors import BlockspecError
+    from blockspec.serve.engine import DecodingOptions
+
+    with pytest.raises(BlockspecError, match="tree-budget"):
+        create_app(load_served_target(tiny_target_dir), None, decoding=DecodingOptions(tree_budget=8))

@@ -238,12 +238,17 @@ class BatchEngine:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.rows) - len(self.waiting)
 
+    def fresh(self) -> "BatchEngine":
+        """An empty engine over the same model and drafters (after a failed step)."""
+        return BatchEngine(self.model, self.make_drafter, max_batch_size=self.max_batch_size)
+
     def add(self, input_ids, config: GenerationConfig | None = None) -> BatchRow:
         """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step."""
         config = config or GenerationConfig()
         if config.block_size == AUTO:
             raise BlockspecError("block_size 'auto' chooses widths for one sequence at a time; batched decoding "
-                                 "verifies a fixed width: give a number")
+                                 "verifies a fixed width: give a number (a server started with --block-size auto "
+                                 "decodes requests one at a time)")
         ids = _as_batch_of_one(input_ids, self.device)
         drafter = self.make_drafter() if self.make_drafter is not None else None
         row = BatchRow(

@@ -19,10 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.decoding.generate import GenerationConfig
+from blockspec.decoding.generate import GenerationConfig, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
-from blockspec.serve.engine import Generation, PreparedRequest, ServingEngine
+from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
 from blockspec.serve.schemas import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                      bad_request)
@@ -32,13 +32,19 @@ _DEFAULT_CHAT_TOKENS = 4096
 
 
 def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
-               api_key: str | None = None) -> FastAPI:
-    """An app serving ``target`` under its name; ``api_key`` turns on Bearer authentication."""
+               api_key: str | None = None, decoding: DecodingOptions | None = None) -> FastAPI:
+    """An app serving ``target`` under its name; ``api_key`` turns on Bearer authentication.
+
+    ``decoding`` sets the verify width and token tree of every request; with a tree or the
+    adaptive width, requests are decoded one at a time.
+    """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
+    decoding = decoding or DecodingOptions()
+    check_decoding(drafter, decoding)
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
-                           metrics=metrics)
+                           metrics=metrics, per_sequence=decoding.per_sequence)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -54,8 +60,17 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     app.state.created = int(time.time())
     app.add_middleware(RequestCounter, metrics=metrics)
     _add_error_handlers(app)
-    _add_routes(app, target, engine, metrics, _api_key_check(api_key))
+    _add_routes(app, target, engine, metrics, _api_key_check(api_key), decoding)
     return app
+
+
+def check_decoding(drafter, decoding: DecodingOptions) -> None:
+    """Refuse options no request could use, at start-up rather than on every request."""
+    config = GenerationConfig(**decoding.config_fields())
+    resolve_block_size(drafter, config.block_size)
+    if config.tree_budget is not None and not hasattr(drafter, "draft_logits"):
+        raise BlockspecError("--tree-budget drafts a tree from one pass's per-position distributions: it needs "
+                             f"the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -106,7 +121,8 @@ def _api_key_check(api_key: str | None):
 
 # -- routes -------------------------------------------------------------------------------------
 
-def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: ServerMetrics, check_key) -> None:
+def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: ServerMetrics, check_key,
+                decoding: DecodingOptions) -> None:
     authenticated = [Depends(check_key)]
 
     @app.get("/health")
@@ -132,13 +148,13 @@ def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: Se
 
     @app.post("/v1/completions", dependencies=authenticated)
     async def completions(body: CompletionRequest, request: Request):
-        prepared = _prepare(target, body, "/v1/completions", _completion_prompt_ids(target, body))
+        prepared = _prepare(target, body, "/v1/completions", _completion_prompt_ids(target, body), decoding)
         generation = Generation(engine, target.tokenizer, prepared).start()
         return await _respond(generation, body, request, TextCompletion(target))
 
     @app.post("/v1/chat/completions", dependencies=authenticated)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prepared = _prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body))
+        prepared = _prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body), decoding)
         generation = Generation(engine, target.tokenizer, prepared).start()
         return await _respond(generation, body, request, ChatCompletion(target))
 
@@ -184,14 +200,15 @@ def _encode(target: Target, prompt, *, use_chat_template: bool, param: str) -> l
         raise bad_request(str(error), param=param) from error
 
 
-def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: list[int]) -> PreparedRequest:
+def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: list[int],
+             decoding: DecodingOptions) -> PreparedRequest:
     if body.n != 1:
         raise bad_request(f"n={body.n} is not supported: this server returns one choice per request",
                           param="n", code="unsupported_value")
     try:
         config = GenerationConfig(max_new_tokens=_token_limit(target, body, len(prompt_ids)),
                                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                  stop_token_ids=target.stop_token_ids())
+                                  stop_token_ids=target.stop_token_ids(), **decoding.config_fields())
     except BlockspecError as error:  # sampling values GenerationConfig refuses
         raise bad_request(str(error), code="invalid_value") from error
     return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings())

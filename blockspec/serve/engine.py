@@ -1,4 +1,4 @@
-"""The bridge between asyncio request handlers and the one ``BatchEngine``.
+"""The bridge between asyncio request handlers and the one decoding engine.
 
 A step is a blocking torch call, so the engine lives in ONE thread of its own that steps
 while there is work. Handlers never touch the engine: they send commands (add, cancel)
@@ -9,6 +9,10 @@ asyncio queue, fed with ``loop.call_soon_threadsafe``.
 ``Generation`` runs one request on top of it and turns its tokens into text. Stop strings
 are matched there, on the text: a piece that could begin a stop string is held back until
 the next tokens show whether it does.
+
+The engine is a ``BatchEngine`` (rows verified together at a fixed width), or, when the server
+verifies token trees or chooses widths adaptively, a ``SequentialEngine`` (one request at a
+time: those choices are per sequence).
 """
 
 from __future__ import annotations
@@ -23,12 +27,31 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from blockspec.decoding.batch import BatchEngine, BatchRow, drafter_factory
+from blockspec.decoding.adaptive import AUTO
 from blockspec.decoding.generate import GenerationConfig, GenerationStats
+from blockspec.decoding.sequential import SequenceRow, SequentialEngine
 from blockspec.decoding.text import Detokenizer
 from blockspec.serve.metrics import ServerMetrics
 from blockspec.serve.schemas import APIError
 
 log = logging.getLogger("blockspec.serve")
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """How the server verifies, for every request: the width and the token tree."""
+
+    block_size: int | str | None = None
+    tree_budget: int | None = None
+    tree_top_k: int = 4
+
+    @property
+    def per_sequence(self) -> bool:
+        """Trees and the adaptive width shape each verify for one sequence: no shared batched verify."""
+        return self.block_size == AUTO or self.tree_budget is not None
+
+    def config_fields(self) -> dict:
+        return {"block_size": self.block_size, "tree_budget": self.tree_budget, "tree_top_k": self.tree_top_k}
 
 
 @dataclass
@@ -50,7 +73,7 @@ class Submission:
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
-    row: BatchRow | None = None
+    row: BatchRow | SequenceRow | None = None
     done: bool = False
 
     def deliver(self, update: TokenUpdate) -> None:
@@ -65,8 +88,11 @@ class ServingEngine:
     """Owns the ``BatchEngine`` thread; ``submit`` and ``cancel`` are called from the event loop."""
 
     def __init__(self, target_model, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
-                 metrics: ServerMetrics | None = None):
-        self.engine = BatchEngine(target_model, drafter_factory(drafter), max_batch_size=max_batch_size)
+                 metrics: ServerMetrics | None = None, per_sequence: bool = False):
+        if per_sequence:
+            self.engine = SequentialEngine(target_model, drafter)
+        else:
+            self.engine = BatchEngine(target_model, drafter_factory(drafter), max_batch_size=max_batch_size)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -208,8 +234,7 @@ class ServingEngine:
 
     def _reset_engine(self) -> None:
         """A fresh engine over the same model and drafters (the old cache may be half-updated)."""
-        old = self.engine
-        self.engine = BatchEngine(old.model, old.make_drafter, max_batch_size=old.max_batch_size)
+        self.engine = self.engine.fresh()
 
     def _fail_all(self, message: str) -> None:
         for submission in self._snapshot():
