@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -188,10 +189,10 @@ def default_block_size(args, drafter):
     return args.block_size
 
 
-def generation_config(args, block_size=None):
+def generation_config(args):
     from blockspec.decoding.generate import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=block_size or args.block_size,
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             tree_budget=args.tree_budget, tree_top_k=args.tree_top_k)
 
@@ -240,9 +241,9 @@ def run_generate(args) -> int:
     from blockspec.decoding.text import stream_text
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    generation_config(args)  # bad sampling values are refused before the models load
+    config = generation_config(args)  # bad values are refused before the models load
     target, drafter = load_models(args)
-    config = generation_config(args, default_block_size(args, drafter))
+    config = dataclasses.replace(config, block_size=default_block_size(args, drafter))
     stream = stream_text(target, prompt, drafter, config, use_chat_template=not args.no_chat_template)
     for chunk in stream:
         if not args.json:

@@ -111,9 +111,7 @@ class TokenStream:
         #: ``widths`` records this stream's choices.
         self.width_policy = shared_width_policy(target_model, drafter, config) if config.block_size == AUTO else None
         self.widths: list[int] = []
-        if config.tree_budget and not hasattr(drafter, "draft_logits"):
-            raise BlockspecError("tree verification drafts from one pass's per-position distributions: it needs "
-                                 f"the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
+        check_tree_drafter(drafter, config.tree_budget)
         self.max_new_tokens = _fit_to_context(target_model, self.input_ids.shape[1], config.max_new_tokens)
         self.stats = GenerationStats(prompt_tokens=self.input_ids.shape[1])
         self.token_ids: list[int] = []
@@ -274,6 +272,13 @@ def shared_width_policy(target_model, drafter, config: GenerationConfig) -> Adap
     if key not in policies:
         policies[key] = AdaptiveWidth(cost_model_for(target_model, widest))
     return policies[key]
+
+
+def check_tree_drafter(drafter: Drafter | None, tree_budget: int | None) -> None:
+    """A token tree is drafted from one pass's per-position distributions: only DFlash offers them."""
+    if tree_budget and not hasattr(drafter, "draft_logits"):
+        raise BlockspecError("tree verification (--tree-budget) drafts from one pass's per-position distributions: "
+                             f"it needs the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
 
 
 def resolve_block_size(drafter: Drafter | None, requested: int | str | None) -> int:

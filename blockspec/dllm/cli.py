@@ -249,7 +249,6 @@ def run_bench(args) -> int:
         results.append(bench.run_setting(model, tokenizer, rows, prompt_ids, spec, config,
                                          batch_size=args.batch_size))
         bench.write_report(results, out, meta)
-    bench.write_report(results, out, meta)
     print(bench.format_table(results))
     print(f"report: {args.out}/summary.json, samples.jsonl, accuracy_vs_speed.png")
     return 0

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.decoding.generate import GenerationConfig, resolve_block_size
+from blockspec.decoding.generate import GenerationConfig, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
@@ -68,9 +68,7 @@ def check_decoding(drafter, decoding: DecodingOptions) -> None:
     """Refuse options no request could use, at start-up rather than on every request."""
     config = GenerationConfig(**decoding.config_fields())
     resolve_block_size(drafter, config.block_size)
-    if config.tree_budget is not None and not hasattr(drafter, "draft_logits"):
-        raise BlockspecError("--tree-budget drafts a tree from one pass's per-position distributions: it needs "
-                             f"the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
+    check_tree_drafter(drafter, config.tree_budget)
 
 
 # -- errors -------------------------------------------------------------------------------------
