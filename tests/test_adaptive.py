@@ -147,6 +147,32 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes():
     assert all(policy.should_draft() for _ in range(5))
 
 
+def test_a_stream_stops_drafting_when_it_only_ever_verifies_width_one(world, monkeypatch):
+    """Drafting and then verifying no draft costs the draft for nothing: those steps count as drafting
+    steps that paid less than plain ones, so the stream drafts again only on its probes."""
+    from blockspec.decoding.adaptive import PROBE_EVERY
+
+    target, references = world
+    measured = adaptive.cost_model_for
+
+    def wide_never_pays(model, width):
+        one_token = measured(model, width).seconds[0]
+        return CostModel([one_token] + [100 * one_token] * (width - 1))
+
+    monkeypatch.setattr(generate_module, "cost_model_for", wide_never_pays)
+    drafter = make_drafter("dflash", target)
+    proposals = []
+    propose = drafter.propose
+    monkeypatch.setattr(drafter, "propose", lambda *a: proposals.append(1) or propose(*a))
+    for ids, expected in references[:4]:
+        proposals.clear()
+        stream = run(target, ids, drafter, "auto")
+        assert stream.token_ids == expected
+        assert set(stream.widths) == {1}
+        steps = len(stream.stats.acceptance_lengths)
+        assert len(proposals) <= 1 + steps // PROBE_EVERY + 1, (len(proposals), steps)
+
+
 def test_the_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
     target = make_causal_lm("llama", vocab_size=320)
     first = cost_model_for(target, 6, cache_dir=tmp_path)

@@ -158,7 +158,7 @@ class TokenStream:
         out = self.model(input_ids=block, position_ids=positions(position, block.shape[1], block.device),
                          cache=cache, use_cache=True, output_hidden_states=wants_features)
         verdict = verify(proposal.tokens, out.logits[0], sampling, proposal.probs, generator)
-        if self.width_policy is not None and confidences:
+        if confidences is not None:  # it drafted, even if it then chose to verify no draft (width 1)
             self.width_policy.observe(confidences, verdict.num_accepted, wall_clock(self.model.device) - verifying,
                                       block.shape[1], verifying - drafting)
         kept = verdict.num_accepted + 1
