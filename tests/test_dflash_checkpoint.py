@@ -35,6 +35,7 @@ def test_target_layer_selection_matches_the_reference_rule():
     assert select_target_layers(36, 5) == [1, 9, 17, 25, 33]
     assert select_target_layers(30, 1) == [15]
     assert select_target_layers(30, 3) == [1, 14, 27]
+    assert select_target_layers(2, 2) == [1, 1]  # a shallow target: never outside its layers
 
 
 def test_saved_layout_is_the_public_one(tmp_path):

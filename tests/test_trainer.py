@@ -60,6 +60,62 @@ def test_fixed_blocks_tile_the_response():
     assert anchors == [7, 15, 23, 31]
 
 
+def test_a_training_block_gives_the_logits_the_drafter_computes_at_inference(learned_target, training_data):
+    """The block-sparse training forward and the cached inference pass agree, anchor by anchor."""
+    import copy
+
+    from blockspec.models.dflash import DFlashDrafter
+    from blockspec.training.methods import DFlashTraining
+    from blockspec.training.trainer import FeatureSource, pad_batch
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    config = TrainConfig(out="unused", num_layers=2, block_size=8)
+    torch.manual_seed(0)
+    model = DFlashTraining().build(config, target, samples).eval()
+    rows = [samples[0], samples[3]]
+    ids, loss_mask, lengths = pad_batch(rows)
+    assert lengths[0] != lengths[1]  # one row is padded
+    features = FeatureSource(target.model, model.target_layer_ids, keep=False)([0, 1], ids, lengths)
+    blocks = build_blocks(ids, loss_mask, lengths, block_size=8, num_anchors=4, mask_token_id=model.mask_token_id,
+                          gamma=7.0, generator=torch.Generator().manual_seed(1))
+    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    with torch.no_grad():
+        hidden = model(embed(blocks.block_ids), blocks.block_positions, features, blocks.context_positions,
+                       attention_mask=blocks.attention_mask)
+        training_logits = head(hidden)
+    drafter = DFlashDrafter(copy.deepcopy(model), target.model)
+    checked = 0
+    for row in range(2):
+        for slot in range(4):
+            if blocks.weights[row, slot * 8: slot * 8 + 8].sum() == 0:
+                continue
+            anchor = int(blocks.block_positions[row, slot * 8])
+            drafter.begin(ids[row:row + 1, :anchor], features[row:row + 1, :anchor])
+            inference = drafter.draft_logits(int(ids[row, anchor]), 7)
+            torch.testing.assert_close(inference, training_logits[row, slot * 8 + 1: slot * 8 + 8],
+                                       rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 6
+
+
+def test_the_loss_over_supervised_positions_equals_the_loss_over_the_whole_block():
+    from blockspec.training.anchors import block_accuracy, weighted_block_loss
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 24, 50, generator=generator)
+    labels = torch.randint(0, 50, (2, 24), generator=generator)
+    weights = loss_weights(8, 4.0).repeat(2, 3)
+    weights[1, 16:] = 0  # an unused slot
+    supervised = weights > 0
+    whole, total = weighted_block_loss(logits, labels, weights)
+    part, part_total = weighted_block_loss(logits[supervised], labels[supervised], weights[supervised])
+    torch.testing.assert_close(whole, part)
+    torch.testing.assert_close(total, part_total)
+    assert block_accuracy(logits, labels, weights) == block_accuracy(
+        logits[supervised], labels[supervised], weights[supervised])
+
+
 def test_mask_token_is_a_spare_special_token():
     tokenizer = make_tokenizer()
     assert pick_mask_token(tokenizer, len(tokenizer)) == tokenizer.convert_tokens_to_ids("<|mask|>")

@@ -45,7 +45,8 @@ def select_target_layers(num_target_layers: int, num_draft_layers: int) -> list[
     """Target layers whose outputs feed the drafter, spread uniformly over depth."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    first, last = 1, num_target_layers - 3
+    first = min(1, num_target_layers - 1)
+    last = max(first, num_target_layers - 3)  # shallow targets: stay inside 0..L-1
     span = last - first
     return [round(first + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 

@@ -107,8 +107,12 @@ def build_blocks(input_ids, loss_mask, lengths, *, block_size, num_anchors, mask
 
 
 def weighted_block_loss(logits: torch.Tensor, labels: torch.LongTensor, weights: torch.Tensor):
-    """Cross-entropy per block position, weighted, normalised by the sum of the weights."""
-    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    """Cross-entropy per block position, weighted, normalised by the sum of the weights.
+
+    logits [..., V] with labels and weights of the leading shape (all positions, or only the
+    supervised ones: a position of weight 0 adds nothing either way)."""
+    per_token = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.flatten(), reduction="none")
     total = weights.sum()
     return (per_token * weights.flatten()).sum() / total.clamp_min(1e-8), total
 
@@ -118,5 +122,5 @@ def block_accuracy(logits, labels, weights) -> float:
     supervised = weights.flatten() > 0
     if not supervised.any():
         return math.nan
-    hits = logits.flatten(0, 1).argmax(-1)[supervised] == labels.flatten()[supervised]
+    hits = logits.reshape(-1, logits.shape[-1]).argmax(-1)[supervised] == labels.flatten()[supervised]
     return hits.float().mean().item()

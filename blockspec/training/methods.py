@@ -113,8 +113,11 @@ class DFlashTraining:
             block_embeddings = target.model.get_input_embeddings()(blocks.block_ids.to(device))
         hidden = forward(block_embeddings, blocks.block_positions.to(device), batch.features.to(device),
                          blocks.context_positions.to(device), attention_mask=blocks.attention_mask.to(device))
-        logits = target.model.get_output_embeddings()(hidden)
-        labels, weights = blocks.labels.to(device), blocks.weights.to(device)
+        # Only supervised positions go through the LM head: the anchors, unused slots and positions
+        # past the sequence's end carry weight 0, and the vocabulary-wide head is the costliest step.
+        supervised = blocks.weights > 0
+        logits = target.model.get_output_embeddings()(hidden[supervised.to(device)])
+        labels, weights = blocks.labels[supervised].to(device), blocks.weights[supervised].to(device)
         loss, _ = weighted_block_loss(logits, labels, weights)
         return loss, block_accuracy(logits.detach(), labels, weights)
 
