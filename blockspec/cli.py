@@ -160,6 +160,9 @@ def add_train_draft_command(commands) -> None:
     optim.add_argument("--lr", type=float, default=6e-4)
     optim.add_argument("--warmup-ratio", type=float, default=0.04)
     optim.add_argument("--grad-clip", type=float, default=1.0)
+    optim.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                       help="auto: bf16 autocast on CUDA, fp32 on CPU; bf16 forces autocast "
+                            "(worth it on CPUs with bf16 units)")
     optim.add_argument("--seed", type=int, default=0)
     optim.add_argument("--save-every", type=int, default=200)
     optim.add_argument("--eval-every", type=int, default=0)

@@ -141,6 +141,36 @@ def test_training_lowers_the_loss_and_raises_tau(learned_target, training_data, 
     assert loaded.block_size == 8 and loaded.mask_token_id == pick_mask_token(target.tokenizer, 320)
 
 
+def test_bf16_autocast_trains_close_to_fp32_with_fp32_weights(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    runs, autocast_seen = {}, {}
+    for precision in ("fp32", "bf16"):
+        trainer = Trainer(small_config(tmp_path / precision, max_steps=30, save_every=0, precision=precision),
+                          target, samples)
+        loss = trainer.method.loss
+
+        def recording_loss(*args, _precision=precision, _loss=loss):
+            autocast_seen[_precision] = torch.is_autocast_enabled("cpu")
+            return _loss(*args)
+
+        trainer.method.loss = recording_loss
+        runs[precision] = (trainer, trainer.run())
+    assert autocast_seen == {"fp32": False, "bf16": True}
+    (_, fp32), (bf16_trainer, bf16) = runs["fp32"], runs["bf16"]
+    assert all(p.dtype == torch.float32 for p in bf16_trainer.model.parameters())
+    assert bf16.losses[0] == pytest.approx(fp32.losses[0], rel=0.05)
+    assert sum(bf16.losses[-5:]) < 0.8 * sum(bf16.losses[:5])
+    assert sum(bf16.losses[-5:]) == pytest.approx(sum(fp32.losses[-5:]), rel=0.1)
+
+
+def test_precision_is_checked():
+    from blockspec.errors import BlockspecError
+
+    with pytest.raises(BlockspecError, match="precision must be one of"):
+        TrainConfig(out="x", precision="fp16")
+
+
 def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, training_data, tmp_path):
     target, _, _ = learned_target
     samples, _ = training_data

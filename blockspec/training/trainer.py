@@ -33,6 +33,7 @@ from blockspec.training.anchors import default_gamma
 from blockspec.training.methods import TRAINABLE_METHODS, Batch, training_method
 
 STATE_FILE = "trainer_state.pt"
+PRECISIONS = ("auto", "fp32", "bf16")
 LATEST_FILE = "latest"
 
 
@@ -67,6 +68,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     cache_features: bool = True
+    # "auto": bf16 autocast on CUDA, fp32 elsewhere; "bf16" forces autocast (CPUs with bf16 units)
+    precision: str = "auto"
     # bookkeeping
     save_every: int = 200
     eval_every: int = 0
@@ -84,6 +87,8 @@ class TrainConfig:
                 raise BlockspecError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.epochs <= 0:
             raise BlockspecError("lr and epochs must be > 0")
+        if self.precision not in PRECISIONS:
+            raise BlockspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
     @property
     def loss_gamma(self) -> float | None:
@@ -256,11 +261,20 @@ class Trainer:
 
     def _micro_batch(self, indices, step, micro):
         ids, loss_mask, lengths = pad_batch([self.samples[i] for i in indices])
-        features = self.features(indices, ids, lengths) if self.features is not None else None
-        generator = torch.Generator().manual_seed(_step_seed(self.config.seed, step, micro, self.rank))
-        batch = Batch(indices, ids, loss_mask, lengths, features)
-        loss, accuracy = self.method.loss(self.ddp_model, self.model, batch, self.target, self.config, generator)
-        return loss, accuracy, int(lengths.sum())
+        with self._autocast():
+            features = self.features(indices, ids, lengths) if self.features is not None else None
+            generator = torch.Generator().manual_seed(_step_seed(self.config.seed, step, micro, self.rank))
+            batch = Batch(indices, ids, loss_mask, lengths, features)
+            loss, accuracy = self.method.loss(self.ddp_model, self.model, batch, self.target, self.config, generator)
+        return loss.float(), accuracy, int(lengths.sum())
+
+    def _autocast(self):
+        """bf16 autocast for the forward passes; weights, gradients and optimizer stay fp32."""
+        device_type = self.target.model.device.type
+        wanted = self.config.precision == "bf16" or (self.config.precision == "auto" and device_type == "cuda")
+        if not wanted:
+            return nullcontext()
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
     def _batch_indices(self, step: int, micro: int) -> list[int]:
         """The samples of one micro-batch: epoch-wise permutations, sharded by rank."""
