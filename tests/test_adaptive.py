@@ -228,6 +228,8 @@ def test_bench_compares_fixed_and_auto_widths_of_one_drafter(tiny_target_dir, ti
     assert set(figures) == {"ar", "dflash@2", "dflash@4", "dflash@auto", "dflash@t6"}
     assert set(figures["dflash@2"]["verify_width_histogram"]) <= {"1", "2"}  # 1: a last step with no room
     assert max(int(w) for w in figures["dflash@auto"]["verify_width_histogram"]) <= 8
+    assert max(int(w) for w in figures["dflash@t6"]["verify_width_histogram"]) <= 7  # nodes + the last token
+    assert (out / "verify_widths.png").is_file()
     calibration = json.loads((out / "calibration.json").read_text())
     assert any("chain" in name for name in calibration) and (out / "calibration.png").is_file()
     assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",

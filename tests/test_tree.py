@@ -115,6 +115,14 @@ def test_tree_greedy_equals_hf_generate_and_beats_the_chain(world, budget):
             list(stream)
             assert stream.token_ids == expected
             lengths += stream.stats.acceptance_lengths
+            verified, drafted = stream.stats.verified, stream.stats.drafted
+            assert len(verified) == len(drafted) and all(v >= d + 1 for v, d in zip(verified, drafted))
+            if tree_budget is not None:
+                assert max(verified) <= tree_budget + 1
+                if tree_budget >= 16:  # a tree's verify carries its branches, not only its depth
+                    assert any(v > d + 1 for v, d in zip(verified, drafted))
+            else:
+                assert verified == [d + 1 for d in drafted]
     tau_tree, tau_chain = sum(tree_lengths) / len(tree_lengths), sum(chain_lengths) / len(chain_lengths)
     if budget >= 16:
         assert tau_tree > 1.2 * tau_chain, (tau_tree, tau_chain)

@@ -38,6 +38,8 @@ class Decode:
     accepted: list[int] = field(default_factory=list)
     peak_memory_mib: float = 0.0
     finish_reason: str = ""
+    #: Per decode step, tokens the verify forward carried (empty for methods that do not say).
+    verified: list[int] = field(default_factory=list)
 
 
 class Method(Protocol):
@@ -71,7 +73,7 @@ class LoopMethod:
         stats = stream.stats
         return Decode(list(stream.token_ids), stats.total_time, stats.time_to_first_token,
                       list(stats.acceptance_lengths), list(stats.drafted), list(stats.accepted),
-                      memory.peak_mib, stats.finish_reason)
+                      memory.peak_mib, stats.finish_reason, list(stats.verified))
 
 
 class HFGenerateMethod:

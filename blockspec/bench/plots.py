@@ -53,15 +53,21 @@ def _tau_histograms(summary, datasets):
 
 
 def _width_histograms(summary, datasets):
-    """The verify widths each step used: one bar for a fixed width, a spread for adaptive width."""
-    figure, axes = _panels(len(datasets), "Verify width per step")
+    """Tokens per verify forward: a point for a fixed width, a spread for adaptive width and trees.
+
+    Every drafting method is drawn, so an adaptive run that fell back to plain decoding shows
+    as a point at width 1 instead of disappearing."""
+    from blockspec.bench.methods import BASELINES
+
+    figure, axes = _panels(len(datasets), "Tokens per verify forward")
     for axis, dataset in zip(axes, datasets):
-        methods = {n: f for n, f in summary[dataset].items() if len(f.get("verify_width_histogram", {})) > 1}
+        methods = {n: f for n, f in summary[dataset].items()
+                   if n not in BASELINES and f.get("verify_width_histogram")}
         for name, f in methods.items():
             total = sum(f["verify_width_histogram"].values()) or 1
             widths = [int(k) for k in f["verify_width_histogram"]]
             axis.plot(widths, [v / total for v in f["verify_width_histogram"].values()], marker="o", label=name)
-        axis.set(title=dataset, xlabel="verify width (last token + drafts)", ylabel="share of steps")
+        axis.set(title=dataset, xlabel="verify width (last token + drafts or tree nodes)", ylabel="share of steps")
         if methods:
             axis.legend(fontsize=8)
     return figure

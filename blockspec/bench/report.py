@@ -30,6 +30,11 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
             for name, rows in groups.items()}
 
 
+def _verify_widths(record: dict) -> list[int]:
+    """Tokens per verify forward; records written before ``verified`` existed give drafts + 1."""
+    return record.get("verified") or [d + 1 for d in record["drafted"]]
+
+
 def _figures(rows: list[dict], method: str) -> dict:
     mine = [r for r in rows if r["method"] == method]
     steps = [n for r in mine for n in r["acceptance_lengths"]]
@@ -41,7 +46,7 @@ def _figures(rows: list[dict], method: str) -> dict:
         "tau_per_prompt_mean": _mean([r["tau"] for r in mine]),
         "tau_histogram": {str(k): v for k, v in sorted(Counter(steps).items())},
         "verify_width_histogram": {str(k): v for k, v in sorted(Counter(
-            d + 1 for r in mine for d in r["drafted"]).items())},
+            w for r in mine for w in _verify_widths(r)).items())},
         "acceptance_by_position": acceptance_by_position([n for r in mine for n in r["drafted"]],
                                                          [n for r in mine for n in r["accepted"]]),
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,

@@ -159,6 +159,7 @@ def _record(row: dict, method: str, turns: list[dict], reference: list[dict] | N
         "acceptance_lengths": steps,
         "drafted": [n for d in decodes for n in d.drafted],
         "accepted": [n for d in decodes for n in d.accepted],
+        "verified": [n for d in decodes for n in d.verified],
         "peak_memory_mib": max(d.peak_memory_mib for d in decodes),
         "finish_reasons": [d.finish_reason for d in decodes],
         "token_ids": [d.token_ids for d in decodes],

@@ -59,6 +59,8 @@ class Step:
     tokens: list[int]
     num_drafted: int
     num_accepted: int
+    #: Tokens the verify forward carried (None: the last token + the chain of drafts).
+    num_verified: int | None = None
 
 
 @dataclass
@@ -69,6 +71,8 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    #: Tokens each decode step's verify forward carried (a tree's nodes + 1, a chain's drafts + 1).
+    verified: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     finish_reason: str = ""
@@ -190,7 +194,7 @@ class TokenStream:
         keep_path(cache, position, kept_rows)
         self._commit(block[:, kept_rows], out, kept_rows if wants_features else None)
         new_tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
-        return Step(new_tokens, max(tree.depths, default=0), len(verdict.path))
+        return Step(new_tokens, max(tree.depths, default=0), len(verdict.path), num_verified=block.shape[1])
 
     def _commit(self, kept_ids, out, feature_rows) -> None:
         if self.drafter is not None:
@@ -243,6 +247,7 @@ def record_step(step: Step, token_ids: list[int], stats: GenerationStats, stop_i
         stats.acceptance_lengths.append(len(tokens))
         stats.drafted.append(step.num_drafted)
         stats.accepted.append(step.num_accepted)
+        stats.verified.append(step.num_verified if step.num_verified is not None else step.num_drafted + 1)
     return step
 
 
