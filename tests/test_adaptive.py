@@ -1,5 +1,6 @@
 """Adaptive verify width: lossless, calibrated against acceptance, and choosing by the cost model."""
 
+import json
 import random
 
 import pytest
@@ -184,6 +185,30 @@ def test_the_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(adaptive, "measure_costs", no_second_measurement)
     assert cost_model_for(target, 4, cache_dir=tmp_path).seconds == first.seconds[:4]
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_stale_cost_model_is_measured_again(tmp_path, monkeypatch):
+    target = make_causal_lm("llama", vocab_size=320)
+    cost_model_for(target, 3, cache_dir=tmp_path)
+    (cached,) = tmp_path.iterdir()
+    measurements = []
+
+    def counted(*args, **kwargs):
+        measurements.append(args)
+        return CostModel([0.1, 0.2, 0.3])
+
+    monkeypatch.setattr(adaptive, "measure_costs", counted)
+    saved = json.loads(cached.read_text())
+    saved["measured_at"] -= adaptive.COST_CACHE_MAX_AGE_S + 1
+    cached.write_text(json.dumps(saved))
+    assert cost_model_for(target, 3, cache_dir=tmp_path).seconds == [0.1, 0.2, 0.3]
+    assert len(measurements) == 1
+    assert cost_model_for(target, 3, cache_dir=tmp_path).seconds == [0.1, 0.2, 0.3]  # fresh again
+    assert len(measurements) == 1
+
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")  # another torch: another key
+    cost_model_for(target, 3, cache_dir=tmp_path)
+    assert len(measurements) == 2 and len(list(tmp_path.glob("*.json"))) == 2
 
 
 @pytest.mark.slow

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,9 @@ _EMA = 0.2
 #: While drafting pays less than plain decoding, draft only every this many steps (to keep
 #: measuring whether it has started to pay).
 PROBE_EVERY = 8
+#: A cached T(w) older than this is measured again (drivers, BIOS and power settings change
+#: what the key cannot see).
+COST_CACHE_MAX_AGE_S = 7 * 24 * 3600
 
 
 # ---------------------------------------------------------------------------
@@ -169,7 +174,8 @@ def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None) -> C
     path = directory / f"{_cost_key(model)}.json"
     try:
         saved = json.loads(path.read_text())
-        if len(saved["seconds"]) >= max_width:
+        fresh = time.time() - float(saved["measured_at"]) < COST_CACHE_MAX_AGE_S
+        if fresh and len(saved["seconds"]) >= max_width:
             return CostModel(list(saved["seconds"][:max_width]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -177,7 +183,8 @@ def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None) -> C
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seconds": costs.seconds, "what": _cost_description(model)}))
+        tmp.write_text(json.dumps({"seconds": costs.seconds, "measured_at": time.time(),
+                                   "what": _cost_description(model)}))
         tmp.replace(path)
     except OSError:  # a read-only cache only costs a new calibration next time
         pass
@@ -185,11 +192,29 @@ def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None) -> C
 
 
 def _cost_description(model) -> dict:
+    """What T(w) depends on; a change in any of it (a new machine, a torch upgrade) measures again."""
+    import transformers
+
     config = model.config
     return {"model": str(getattr(config, "_name_or_path", "")), "type": config.model_type,
             "layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size,
             "dtype": str(next(model.parameters()).dtype), "device": str(model.device),
-            "threads": torch.get_num_threads() if model.device.type == "cpu" else None}
+            "hardware": _hardware_name(model.device),
+            "threads": torch.get_num_threads() if model.device.type == "cpu" else None,
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _cost_key(model) -> str:
