@@ -23,6 +23,8 @@ SHIPPED_DRAFT = "dflash-smollm2-135m"
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt_bench")
 DEFAULT_NUM_PROMPTS = 4
 DEFAULT_MAX_NEW_TOKENS = 128
+#: The verify width is chosen each step by the cost model, as in `blockspec generate`.
+DEFAULT_BLOCK_SIZE = "auto"
 _WARMUP_TOKENS = 4
 
 
@@ -64,13 +66,15 @@ def demo_prompts(datasets=None, num_prompts: int = DEFAULT_NUM_PROMPTS) -> list[
 
 
 def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-             block_size: int | None = None, console=None) -> list[dict]:
+             block_size: int | str | None = DEFAULT_BLOCK_SIZE, console=None) -> list[dict]:
     """Decode each prompt with AR and with DFlash (greedy), stream the DFlash text; figures per prompt.
 
     ``prompts`` are bundled rows (dicts with ``turns``; the first turn is used) or strings.
+    ``block_size``: a verify width, None for the drafter's trained size, or "auto".
     """
     from rich.console import Console
 
+    from blockspec.decoding.adaptive import AUTO
     from blockspec.decoding.generate import GenerationConfig, resolve_block_size
 
     console = console or Console()
@@ -80,11 +84,12 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
     ar_config = GenerationConfig(max_new_tokens=max_new_tokens)
     dflash_config = replace(ar_config, block_size=block_size)
     width = resolve_block_size(drafter, block_size)  # checks the block size before any decoding
+    described = f"verify width auto (1..{width})" if block_size == AUTO else f"block size {width}"
 
     model = target.model
     console.print(f"[bold]blockspec demo[/]: target [cyan]{_plain(target.name)}[/] on {model.device} "
                   f"({str(model.dtype).removeprefix('torch.')})\n"
-                  f"drafter [cyan]{drafter.name}[/], block size {width}, greedy, up to {max_new_tokens} new tokens")
+                  f"drafter [cyan]{drafter.name}[/], {described}, greedy, up to {max_new_tokens} new tokens")
     _warm_up(target, drafter, _chat_prompt(target, rows[0]), dflash_config)
 
     figures = []
@@ -94,7 +99,7 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
         ar = _decode(target, prompt, None, ar_config)
         dflash = _decode(target, prompt, drafter, dflash_config, console=console)
         console.print()
-        figure = _figures(row, ar, dflash, width)
+        figure = _figures(row, ar, dflash, block_size if block_size == AUTO else width)
         figures.append(figure)
         _print_figures(console, figure)
     _print_summary(console, figures)
@@ -144,7 +149,7 @@ def _decode(target, prompt, drafter, config, console=None) -> dict:
             "prompt_tokens": len(result.prompt_ids)}
 
 
-def _figures(row: dict, ar: dict, dflash: dict, block_size: int) -> dict:
+def _figures(row: dict, ar: dict, dflash: dict, block_size: int | str) -> dict:
     ar_ids, dflash_ids = ar["token_ids"], dflash["token_ids"]
     mismatch = next((i for i, (a, b) in enumerate(zip(ar_ids, dflash_ids)) if a != b), None)
     if mismatch is None and len(ar_ids) != len(dflash_ids):
@@ -160,6 +165,8 @@ def _figures(row: dict, ar: dict, dflash: dict, block_size: int) -> dict:
         "ar_new_tokens": len(ar_ids),
         "tau": stats.tau,
         "acceptance_lengths": list(stats.acceptance_lengths),
+        "verify_widths": list(stats.verified),
+        "mean_verify_width": statistics.mean(stats.verified) if stats.verified else 0.0,
         "ar_time": ar["time"],
         "dflash_time": dflash["time"],
         "ar_tokens_per_s": len(ar_ids) / ar["time"] if ar["time"] > 0 else 0.0,
@@ -204,6 +211,7 @@ def _print_figures(console, figure: dict) -> None:
                       f"{figure['ar_new_tokens']} AR tokens): decoding was not lossless[/]")
     console.print(
         f"[bold]tau[/] {figure['tau']:.2f}  "
+        f"[bold]verify width[/] {figure['mean_verify_width']:.1f} mean  "
         f"[bold]tok/s[/] DFlash {figure['dflash_tokens_per_s']:.1f}, AR {figure['ar_tokens_per_s']:.1f}  "
         f"[bold green]speedup {figure['speedup']:.2f}x[/]  "
         f"[bold]TTFT[/] {figure['dflash_ttft'] * 1000:.0f} ms (AR {figure['ar_ttft'] * 1000:.0f} ms)"
@@ -215,10 +223,10 @@ def _print_summary(console, figures: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="DFlash vs autoregressive, greedy", title_style="bold")
-    for name in ("prompt", "tokens", "tau", "AR\ntok/s", "DFlash\ntok/s", "speedup", "first token\nms AR/DF", "same"):
+    for name in ("prompt", "tokens", "tau", "verify\nwidth", "AR\ntok/s", "DFlash\ntok/s", "speedup", "first token\nms AR/DF", "same"):
         table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=name != "prompt")
     for f in figures:
-        table.add_row(_plain(f["id"]), str(f["new_tokens"]), f"{f['tau']:.2f}",
+        table.add_row(_plain(f["id"]), str(f["new_tokens"]), f"{f['tau']:.2f}", f"{f['mean_verify_width']:.1f}",
                       f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}", f"{f['speedup']:.2f}x",
                       f"{f['ar_ttft'] * 1000:.0f}/{f['dflash_ttft'] * 1000:.0f}",
                       "[green]yes[/]" if f["match"] else "[bold red]NO[/]")
@@ -244,6 +252,7 @@ def _print_summary(console, figures: list[dict]) -> None:
 def add_demo_command(commands) -> None:
     """Add ``demo`` to an argparse subparsers object."""
     from blockspec.bench.datasets import BUNDLED
+    from blockspec.cli import block_size_arg
     from blockspec.hub import DEFAULT_TARGET
 
     parser = commands.add_parser("demo", help="DFlash vs autoregressive decoding on a few bundled prompts")
@@ -253,8 +262,9 @@ def add_demo_command(commands) -> None:
                         help=f"DFlash drafter directory (default: the shipped {SHIPPED_DRAFT}, made for the default target)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help=f"tokens per prompt (default: {DEFAULT_MAX_NEW_TOKENS})")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="verify width: the last token + block_size-1 drafts (default: the drafter's trained size)")
+    parser.add_argument("--block-size", type=block_size_arg, default=DEFAULT_BLOCK_SIZE,
+                        help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by the "
+                             "cost model from the draft's confidence) (default: auto)")
     parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                         help=f"number of prompts, dealt round-robin over the data sets (default: {DEFAULT_NUM_PROMPTS})")
     parser.add_argument("--dataset", action="append", default=None, metavar="NAME",

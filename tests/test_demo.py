@@ -40,7 +40,23 @@ def test_run_demo_gives_figures_per_prompt_with_lossless_tokens(tiny_pair):
     assert "WARNING" not in out
 
 
-def test_run_demo_reports_a_mismatch(tiny_pair, monkeypatch):
+def test_run_demo_with_auto_width_reports_the_chosen_widths(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))  # the cost calibration is cached there
+    target, drafter = tiny_pair
+    console = quiet_console()
+    figures = demo.run_demo(target, drafter, load_bundled("gsm8k", limit=2), max_new_tokens=16, block_size="auto",
+                            console=console)
+    widest = drafter.max_draft_tokens + 1
+    for figure in figures:
+        assert figure["match"] and figure["block_size"] == "auto"
+        assert figure["verify_widths"] and all(1 <= w <= widest for w in figure["verify_widths"])
+        assert 1 <= figure["mean_verify_width"] <= widest
+    assert f"verify width auto (1..{widest})" in console.file.getvalue()
+    assert list(tmp_path.joinpath("costs").glob("*.json"))
+
+
+def test_run_demo_reports_a_mismatch(tiny_pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
     target, drafter = tiny_pair
     real_decode = demo._decode
 
@@ -63,7 +79,8 @@ def demo_parser():
     return parser
 
 
-def test_demo_command_returns_0_on_the_tiny_pair(tiny_target_dir, tiny_draft_dir, capsys):
+def test_demo_command_returns_0_on_the_tiny_pair(tiny_target_dir, tiny_draft_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
     args = demo_parser().parse_args(["demo", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir),
                                      "--max-new-tokens", "8", "--num-prompts", "2",
                                      "--dataset", "gsm8k", "--dataset", "mbpp"])
@@ -78,7 +95,8 @@ def test_demo_command_defaults():
     from blockspec.hub import DEFAULT_TARGET
 
     assert args.target == DEFAULT_TARGET and args.draft is None
-    assert args.max_new_tokens == 128 and args.block_size is None
+    assert args.max_new_tokens == 128 and args.block_size == "auto"
+    assert demo_parser().parse_args(["demo", "--block-size", "8"]).block_size == 8
     assert [row["dataset"] for row in demo.demo_prompts(args.dataset, args.num_prompts)] == [
         "gsm8k", "gsm8k", "humaneval", "mt_bench"]
 
