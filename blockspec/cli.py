@@ -138,6 +138,9 @@ def add_train_draft_command(commands) -> None:
     draft.add_argument("--block-size", type=int, default=16)
     draft.add_argument("--mask-token-id", type=int, default=None)
     draft.add_argument("--intermediate-size", type=int, default=None)
+    draft.add_argument("--target-layers", dest="target_layer_ids", type=layer_list, default=None, metavar="I,J,...",
+                       help="target layers whose outputs the drafter reads, e.g. 1,15,29 (dflash default: as many "
+                            "as draft layers, spread over depth; eagle3: three)")
     draft.add_argument("--ttt-steps", type=int, default=4,
                        help="eagle3/mtp: recursion steps unrolled in training (training-time test)")
     draft.add_argument("--step-decay", type=float, default=None,
@@ -167,6 +170,17 @@ def add_train_draft_command(commands) -> None:
     optim.add_argument("--save-every", type=int, default=200)
     optim.add_argument("--eval-every", type=int, default=0)
     parser.set_defaults(run=run_train_draft)
+
+
+def layer_list(text: str) -> list[int]:
+    """'1,15,29' -> [1, 15, 29] (for --target-layers)."""
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer numbers separated by commas, e.g. 1,15,29; got {text!r}")
+    if not layers or any(layer < 0 for layer in layers):
+        raise argparse.ArgumentTypeError(f"expected layer numbers >= 0 separated by commas, got {text!r}")
+    return layers
 
 
 def run_train_draft(args) -> int:

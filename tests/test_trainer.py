@@ -250,3 +250,30 @@ def test_empty_training_set_is_a_clear_error(learned_target, tmp_path):
     with pytest.raises(BlockspecError, match="no training samples"):
         Trainer(small_config(tmp_path), target, [])
     assert isinstance(TrainingSample, type)
+
+
+def test_chosen_target_layers_are_read_and_bad_ones_refused(learned_target, training_data, tmp_path):
+    from blockspec.errors import IncompatibleDraftError
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    layers = target.model.config.num_hidden_layers
+    trainer = Trainer(small_config(tmp_path / "ok", target_layer_ids=[0, layers - 1], max_steps=2), target, samples)
+    assert trainer.model.target_layer_ids == [0, layers - 1]
+    assert trainer.features.layer_ids == [0, layers - 1]
+    with pytest.raises(IncompatibleDraftError, match=f"outside the target's 0..{layers - 1}"):
+        Trainer(small_config(tmp_path / "bad", target_layer_ids=[0, layers]), target, samples)
+
+
+def test_target_layers_parse_from_the_command_line():
+    import argparse
+
+    from blockspec.cli import add_train_draft_command
+
+    parser = argparse.ArgumentParser()
+    add_train_draft_command(parser.add_subparsers())
+    base = ["train-draft", "--target", "t", "--data", "d.jsonl", "--out", "o"]
+    assert parser.parse_args(base + ["--target-layers", "1,15,29"]).target_layer_ids == [1, 15, 29]
+    assert parser.parse_args(base).target_layer_ids is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--target-layers", "1,x"])

@@ -14,6 +14,7 @@ calls one ``TrainingMethod``:
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.errors import BlockspecError
+from blockspec.training.vocab_loss import head_cross_entropy
 
 TRAINABLE_METHODS = ("dflash", "eagle3", "mtp", "draft")
 #: Loss weight of unrolled step k is decay**k (EAGLE-3 uses 0.8; FastMTP decays faster).
@@ -77,7 +79,7 @@ class DFlashTraining:
         self.name = name
 
     def build(self, config, target, samples):
-        from blockspec.models.dflash import DFlashDraftModel, make_dflash_config
+        from blockspec.models.dflash import DFlashDraftModel, check_fits_target, make_dflash_config
         from blockspec.models.target import copy_final_norm
         from blockspec.training.trainer import pick_mask_token
 
@@ -91,6 +93,7 @@ class DFlashTraining:
             mask_token_id=mask_id, target_layer_ids=config.target_layer_ids,
             intermediate_size=config.intermediate_size)
         model = DFlashDraftModel(draft_config)
+        check_fits_target(model, target_model.config, draft_name="the drafter to train")
         copy_final_norm(model.norm, target_model)
         return model
 
@@ -103,7 +106,7 @@ class DFlashTraining:
         return list(model.target_layer_ids)
 
     def loss(self, forward, model, batch, target, config, generator):
-        from blockspec.training.anchors import block_accuracy, build_blocks, weighted_block_loss
+        from blockspec.training.anchors import build_blocks
 
         blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=config.block_size,
                               num_anchors=config.anchors_per_sequence, mask_token_id=model.mask_token_id,
@@ -116,10 +119,10 @@ class DFlashTraining:
         # Only supervised positions go through the LM head: the anchors, unused slots and positions
         # past the sequence's end carry weight 0, and the vocabulary-wide head is the costliest step.
         supervised = blocks.weights > 0
-        logits = target.model.get_output_embeddings()(hidden[supervised.to(device)])
         labels, weights = blocks.labels[supervised].to(device), blocks.weights[supervised].to(device)
-        loss, _ = weighted_block_loss(logits, labels, weights)
-        return loss, block_accuracy(logits.detach(), labels, weights)
+        losses, hits = head_cross_entropy(target.model.get_output_embeddings(), hidden[supervised.to(device)], labels)
+        loss = (losses * weights).sum() / weights.sum().clamp_min(1e-8)
+        return loss, hits.float().mean().item() if hits.numel() else math.nan
 
     def drafter(self, model, target):
         from blockspec.models.dflash import DFlashDrafter

@@ -1,0 +1,87 @@
+"""Cross-entropy through a vocabulary-wide LM head, computed in row chunks.
+
+A drafter's loss reads the target's LM head over tens of thousands of tokens. Written as
+``F.cross_entropy(hidden @ W.T, labels)`` it materialises [N, V] logits, their float copy,
+their log-softmax and its gradient: on a CPU those passes over memory cost more than the
+matrix products. Here each chunk of rows is projected and reduced to (loss, argmax, softmax)
+with as few passes over the [chunk, V] logits as the arithmetic allows; the softmax is kept
+(in the compute dtype) and becomes the gradient of the hidden states (and of the head, when
+it trains) in one product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_ROWS = 256
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.LongTensor,
+                         chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.BoolTensor]:
+    """Per-row cross-entropy of ``hidden @ weight.T`` against ``labels``, and whether each row's argmax hits.
+
+    hidden [N, D], weight [V, D], labels [N]. Returns (losses [N] float32, hits [N] bool). The
+    products run in the autocast dtype when autocast is on (else in ``hidden``'s dtype); the
+    softmax is always float32. Gradients flow to ``hidden`` and, if it requires them, ``weight``.
+    """
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+        else hidden.dtype
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, compute_dtype)
+
+
+def head_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.LongTensor):
+    """``linear_cross_entropy`` through an LM head module; a head that is not a bias-free
+    ``nn.Linear`` runs as it is (its logits materialised)."""
+    if type(head) is torch.nn.Linear and head.bias is None:
+        return linear_cross_entropy(hidden, head.weight, labels)
+    logits = head(hidden).float()
+    losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    return losses, logits.detach().argmax(dim=-1) == labels
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward keeps each chunk's softmax (in the compute dtype): the backward pass needs only
+    softmax - onehot, so it never recomputes the logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_rows, compute_dtype):
+        head = weight.to(compute_dtype)
+        rows = hidden.shape[0]
+        losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        hits = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+        probs = torch.empty((rows, weight.shape[0]), dtype=compute_dtype, device=hidden.device)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for chunk in _chunks(rows, chunk_rows):
+                logits = (hidden[chunk].to(compute_dtype) @ head.T).float()
+                top, argmax = logits.max(dim=-1)
+                hits[chunk] = argmax == labels[chunk]
+                label_logits = logits.gather(1, labels[chunk, None]).squeeze(1)
+                exp = torch.exp(logits.sub_(top[:, None]))
+                total = exp.sum(dim=-1)
+                losses[chunk] = torch.log(total) + top - label_logits
+                probs[chunk] = exp.div_(total[:, None])
+        ctx.save_for_backward(hidden, weight, labels, probs)
+        ctx.compute_dtype = compute_dtype
+        ctx.mark_non_differentiable(hits)
+        return losses, hits
+
+    @staticmethod
+    def backward(ctx, grad_losses, _grad_hits):
+        hidden, weight, labels, probs = ctx.saved_tensors
+        # d loss_i / d logits_i = softmax_i - onehot(label_i), times the incoming gradient of row i
+        probs[torch.arange(probs.shape[0], device=probs.device), labels] -= 1.0
+        scale = grad_losses.float()[:, None]
+        grad_hidden = grad_weight = None
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = ((probs @ weight.to(ctx.compute_dtype)).float() * scale).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                scaled = (probs.float() * scale).to(ctx.compute_dtype)
+                grad_weight = (scaled.T @ hidden.to(ctx.compute_dtype)).to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _chunks(rows: int, size: int):
+    for start in range(0, rows, size):
+        yield slice(start, min(rows, start + size))
