@@ -1,9 +1,15 @@
 """Generate SmolLM2-135M-Instruct's own responses to the training prompts (resumable).
 
-This is the data stage of the shipped drafter (README, "The shipped drafter"): 900 gsm8k
-train, 450 Code Alpaca and 150 MBPP train-split prompts (never a test split), greedy,
-256 new tokens, cached to runs/smollm2-data/responses.jsonl. Stop it at any time; run it
-again to continue. `blockspec train-draft --responses cache` then trains on what is there.
+This is the data stage of the shipped drafter (README, "The shipped drafter"). By default:
+900 gsm8k train, 450 Code Alpaca and 150 MBPP train-split prompts (never a test split),
+greedy, 256 new tokens, fp32, cached to runs/smollm2-data/responses.jsonl. Stop it at any
+time; run it again to continue. `blockspec train-draft --responses cache` then trains on
+what is there.
+
+More prompts of each file: raise the counts and pass the first cache as --exclude-cache,
+so only prompts it lacks are generated (the files are shuffled with a fixed seed, so a
+larger count takes the same prompts first). --dtype bfloat16 generates about twice as fast
+on CPUs with bf16 matrix units; such a cache is a separate file (its settings differ).
 """
 
 import argparse
@@ -12,27 +18,37 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from blockspec import hub
-from blockspec.training.data import generate_responses, load_prompts
+from blockspec.training.data import generate_responses, load_prompts, read_cache
 
-FILES = [("gsm8k_train.jsonl", 900), ("code_alpaca_2k.json", 450), ("mbpp.jsonl", 150)]
+COUNTS = {"gsm8k_train.jsonl": 900, "code_alpaca_2k.json": 450, "mbpp.jsonl": 150}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", default="../shared/datasets")
     parser.add_argument("--cache", default="runs/smollm2-data/responses.jsonl")
+    parser.add_argument("--exclude-cache", nargs="*", default=[], metavar="FILE",
+                        help="skip the prompts these caches already answer")
+    for name, count in COUNTS.items():
+        parser.add_argument(f"--{name.split('.')[0].replace('_', '-')}", type=int, default=count,
+                            dest=name, metavar="N", help=f"prompts of {name} (default {count})")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = hub.prepare(hub.DEFAULT_TARGET)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    excluded = {row["id"] for cache in args.exclude_cache for row in read_cache(cache)}
     records = []
-    for name, limit in FILES:
-        rows, report = load_prompts([f"{args.datasets}/{name}"], limit=limit, seed=0)
+    for name in COUNTS:
+        rows, report = load_prompts([f"{args.datasets}/{name}"], limit=getattr(args, name), seed=0)
         print(report.summary(), flush=True)
-        records += rows
-    report = generate_responses(model, tokenizer, records, args.cache, max_new_tokens=256, batch_size=32)
+        records += [row for row in rows if row.id not in excluded]
+    print(f"{len(records)} prompts to answer ({len(excluded)} answered in --exclude-cache)", flush=True)
+    report = generate_responses(model, tokenizer, records, args.cache, max_new_tokens=256,
+                                batch_size=args.batch_size)
     print(report.summary())
 
 

@@ -277,3 +277,33 @@ def test_target_layers_parse_from_the_command_line():
     assert parser.parse_args(base).target_layer_ids is None
     with pytest.raises(SystemExit):
         parser.parse_args(base + ["--target-layers", "1,x"])
+
+
+def test_several_response_caches_are_pooled(learned_target, tmp_path):
+    """--responses cache with two files: their prompts train together, an id in both counts once."""
+    from blockspec.errors import BlockspecError
+    from blockspec.training.data import read_cache
+    from blockspec.training.pipeline import DataConfig, prepare_samples
+
+    target, _, prompts = learned_target
+    rows = [json.loads(line) for line in _first_cache(learned_target, tmp_path).read_text().splitlines()]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, part in ((first, rows[:10]), (second, rows[5:])):
+        path.write_text("".join(json.dumps(row) + "\n" for row in part))
+    data = DataConfig(files=[str(prompts)], responses="cache", cache=[str(first), str(second)], held_out=2)
+    samples, held_out = prepare_samples(target, data, tmp_path / "out", max_length=256)
+    assert sorted(s.id for s in samples) == sorted(row["id"] for row in rows)
+    assert len(held_out) == 2 and len(read_cache(first)) == 10
+    with pytest.raises(BlockspecError, match="several caches can only be read as they are"):
+        prepare_samples(target, DataConfig(files=[str(prompts)], cache=[str(first), str(second)]),
+                        tmp_path / "out", max_length=256)
+
+
+def _first_cache(learned_target, tmp_path) -> Path:
+    from blockspec.training.pipeline import DataConfig, prepare_samples
+
+    target, _, prompts = learned_target
+    out = tmp_path / "gen"
+    prepare_samples(target, DataConfig(files=[str(prompts)], max_new_tokens=8, held_out=4, num_prompts=24), out,
+                    max_length=256)
+    return out / "data" / "responses.jsonl"
