@@ -307,3 +307,23 @@ def _first_cache(learned_target, tmp_path) -> Path:
     prepare_samples(target, DataConfig(files=[str(prompts)], max_new_tokens=8, held_out=4, num_prompts=24), out,
                     max_length=256)
     return out / "data" / "responses.jsonl"
+
+
+def test_features_are_kept_in_bf16_under_bf16_autocast_and_come_back_as_float32(learned_target, training_data,
+                                                                                    tmp_path):
+    from blockspec.training.trainer import pad_batch
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    indices = [0, 1, 2]
+    ids, _, lengths = pad_batch([samples[i] for i in indices])
+    kept = {}
+    for precision in ("fp32", "bf16"):
+        trainer = Trainer(small_config(tmp_path / precision, precision=precision), target, samples)
+        with trainer._autocast():
+            first = trainer.features(indices, ids, lengths)
+        again = trainer.features(indices, ids, lengths)  # from the kept copies
+        kept[precision] = trainer.features.kept[0].dtype
+        assert first.dtype == again.dtype == torch.float32
+        torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert kept == {"fp32": torch.float32, "bf16": torch.bfloat16}

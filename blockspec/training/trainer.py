@@ -126,12 +126,18 @@ def pick_mask_token(tokenizer, vocab_size: int) -> int:
 
 
 class FeatureSource:
-    """Context features of the frozen target, computed once per sample and kept if asked."""
+    """Context features of the frozen target, computed once per sample and kept if asked.
 
-    def __init__(self, target_model, layer_ids: list[int], keep: bool):
+    ``keep_dtype``: the dtype of the kept copies (bf16 under bf16 autocast, where the drafter's
+    first product rounds them to bf16 anyway: half the memory, the same training); batches
+    come back in float32.
+    """
+
+    def __init__(self, target_model, layer_ids: list[int], keep: bool, keep_dtype: torch.dtype = torch.float32):
         self.model = target_model
         self.layer_ids = layer_ids
         self.keep = keep
+        self.keep_dtype = keep_dtype
         self.kept: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -143,12 +149,12 @@ class FeatureSource:
             out = self.model.base_model(input_ids=rows.to(self.model.device), output_hidden_states=True)
             features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1).float().cpu()
             for position, row in enumerate(missing):
-                computed[row] = features[position, : int(lengths[row])]
+                computed[row] = features[position, : int(lengths[row])].to(self.keep_dtype)
                 if self.keep:
-                    self.kept[indices[row]] = computed[row]
+                    self.kept[indices[row]] = computed[row].clone()  # not a view pinning the whole batch
         width = input_ids.shape[1]
         batch = [computed[row] if row in computed else self.kept[index] for row, index in enumerate(indices)]
-        return torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - f.shape[0])) for f in batch])
+        return torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - f.shape[0])) for f in batch]).float()
 
 
 def pad_batch(samples) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
@@ -190,7 +196,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model = self.method.build(config, target, samples).to(target.model.device).train()
         layers = self.method.feature_layers(self.model)
-        self.features = FeatureSource(target.model, layers, config.cache_features) if layers else None
+        keep_dtype = torch.bfloat16 if self._autocast_wanted() else torch.float32
+        self.features = FeatureSource(target.model, layers, config.cache_features, keep_dtype) if layers else None
         self.total_steps = config.max_steps or max(1, math.ceil(
             config.epochs * len(samples) / (config.batch_size * config.grad_accum * self.world)))
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -268,13 +275,15 @@ class Trainer:
             loss, accuracy = self.method.loss(self.ddp_model, self.model, batch, self.target, self.config, generator)
         return loss.float(), accuracy, int(lengths.sum())
 
+    def _autocast_wanted(self) -> bool:
+        device_type = self.target.model.device.type
+        return self.config.precision == "bf16" or (self.config.precision == "auto" and device_type == "cuda")
+
     def _autocast(self):
         """bf16 autocast for the forward passes; weights, gradients and optimizer stay fp32."""
-        device_type = self.target.model.device.type
-        wanted = self.config.precision == "bf16" or (self.config.precision == "auto" and device_type == "cuda")
-        if not wanted:
+        if not self._autocast_wanted():
             return nullcontext()
-        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.target.model.device.type, dtype=torch.bfloat16)
 
     def _batch_indices(self, step: int, micro: int) -> list[int]:
         """The samples of one micro-batch: epoch-wise permutations, sharded by rank."""
