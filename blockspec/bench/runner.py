@@ -129,7 +129,7 @@ def _decode_conversation(target, method, row: dict, config: BenchConfig) -> list
         decode = method.decode(prompt_ids, generation)
         reply = target.tokenizer.decode(decode.token_ids, skip_special_tokens=True)
         history.append({"role": "assistant", "content": reply})
-        results.append({"prompt_tokens": len(prompt_ids), "decode": decode})
+        results.append({"prompt_ids": prompt_ids, "decode": decode})
     return results
 
 
@@ -150,7 +150,8 @@ def _record(row: dict, method: str, turns: list[dict], reference: list[dict] | N
         "dataset": row.get("dataset"),
         "method": method,
         "turns": len(turns),
-        "prompt_tokens": [t["prompt_tokens"] for t in turns],
+        "prompt_tokens": [len(t["prompt_ids"]) for t in turns],
+        "prompt_ids": [list(t["prompt_ids"]) for t in turns],
         "new_tokens": new_tokens,
         "seconds": seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else 0.0,
