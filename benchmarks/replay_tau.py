@@ -83,5 +83,5 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    sys.exit(main())
+    with torch.inference_mode():
+        sys.exit(main())

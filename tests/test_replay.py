@@ -1,6 +1,7 @@
 """Replaying greedy decoding against a recorded answer gives the live loop's acceptance lengths."""
 
 import pytest
+import torch
 from conftest import make_dflash
 from test_lossless import MAX_NEW, hf_greedy, prompts
 from test_tree import NoisyOracle
@@ -117,6 +118,7 @@ def test_replay_from_a_bench_run_gives_its_taus(tiny_target_dir, tiny_draft_dir,
     with pytest.raises(SystemExit) as done:
         runpy.run_path("benchmarks/replay_tau.py", run_name="__main__")
     assert done.value.code == 0
+    assert torch.is_grad_enabled(), "the script must not switch autograd off for the rest of the process"
     rows = json.loads((tmp_path / "tau.json").read_text())
     chain = {r["dataset"]: r["tau"] for r in rows if r["setting"] == "chain@4"}
     for dataset in ("gsm8k", "mt_bench"):
