@@ -13,6 +13,8 @@ from blockspec.dllm.cli import add_dllm_parsers
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
 
+TREE_TOP_K = 8  # blockspec.decoding.tree.DEFAULT_TREE_TOP_K, not imported: the CLI starts without torch
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -78,7 +80,8 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="verify a token tree of this many draft nodes per step (dflash; e.g. 16, 32, 64) "
                              "instead of one chain")
-    parser.add_argument("--tree-top-k", type=int, default=4, help="children per tree node at most (default 4)")
+    parser.add_argument("--tree-top-k", type=int, default=TREE_TOP_K,
+                        help=f"children per tree node at most (default {TREE_TOP_K})")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -306,7 +309,8 @@ def add_serve_command(commands) -> None:
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="verify a token tree of this many draft nodes (dflash); requests are then decoded "
                              "one at a time")
-    parser.add_argument("--tree-top-k", type=int, default=4, help="children per tree node at most (default 4)")
+    parser.add_argument("--tree-top-k", type=int, default=TREE_TOP_K,
+                        help=f"children per tree node at most (default {TREE_TOP_K})")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     parser.add_argument("--port", type=int, default=8000)

@@ -88,3 +88,14 @@ def test_generate_defaults_to_the_adaptive_width_for_a_dflash_chain():
     assert default_block_size(args(), None) is None
     assert default_block_size(args(block_size=8), dflash) == 8
     assert default_block_size(args(tree_budget=16), dflash) is None
+
+
+def test_generate_and_serve_default_to_the_library_tree_fan_out():
+    from blockspec.cli import build_parser
+    from blockspec.decoding.generate import GenerationConfig
+    from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
+    from blockspec.serve.engine import DecodingOptions
+
+    assert build_parser().parse_args(["generate", "hello"]).tree_top_k == DEFAULT_TREE_TOP_K
+    assert build_parser().parse_args(["serve"]).tree_top_k == DEFAULT_TREE_TOP_K
+    assert GenerationConfig().tree_top_k == DecodingOptions().tree_top_k == DEFAULT_TREE_TOP_K

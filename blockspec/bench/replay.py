@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.decoding.sampling import SamplingConfig
-from blockspec.decoding.tree import build_tree
+from blockspec.decoding.tree import DEFAULT_TREE_TOP_K, build_tree
 from blockspec.errors import BlockspecError
 
 GREEDY = SamplingConfig()
@@ -26,7 +26,7 @@ GREEDY = SamplingConfig()
 @torch.inference_mode()
 def replay_acceptance(target_model, drafter, prompt_ids: list[int], answer_ids: list[int], *,
                       max_new_tokens: int | None = None, block_size: int | None = None,
-                      tree_budget: int | None = None, tree_top_k: int = 4) -> list[int]:
+                      tree_budget: int | None = None, tree_top_k: int = DEFAULT_TREE_TOP_K) -> list[int]:
     """Tokens each decode step would produce (accepted drafts + 1) decoding ``answer_ids`` greedily.
 
     ``answer_ids`` must be the target's greedy answer to ``prompt_ids`` (its first token is the

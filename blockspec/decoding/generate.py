@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from blockspec.decoding.adaptive import AUTO, AdaptiveWidth, check_block_size, cost_model_for
 from blockspec.decoding.drafter import Drafter, Proposal
 from blockspec.decoding.sampling import SamplingConfig, pick_tokens
-from blockspec.decoding.tree import build_tree, keep_path, tree_attention_mask, tree_position_ids, verify_tree
+from blockspec.decoding.tree import DEFAULT_TREE_TOP_K, build_tree, keep_path, tree_attention_mask, tree_position_ids, verify_tree
 from blockspec.decoding.verifier import verify
 from blockspec.errors import BlockspecError
 
@@ -34,7 +34,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     #: Tree verification: draft nodes per step (None: a chain), children per node at most.
     tree_budget: int | None = None
-    tree_top_k: int = 4
+    tree_top_k: int = DEFAULT_TREE_TOP_K
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

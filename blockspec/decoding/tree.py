@@ -68,7 +68,12 @@ class Tree:
         return path[::-1]
 
 
-def build_tree(draft_probs: torch.Tensor, budget: int, top_k: int = 4) -> Tree:
+# Children per node at most. With the shipped SmolLM2 drafter at budget 32, 8 gave tau 3.58 / 1.83 / 1.70
+# on gsm8k / humaneval / mt_bench against 3.41 / 1.75 / 1.62 for 4 and 3.07 / 1.59 / 1.49 for 2.
+DEFAULT_TREE_TOP_K = 8
+
+
+def build_tree(draft_probs: torch.Tensor, budget: int, top_k: int = DEFAULT_TREE_TOP_K) -> Tree:
     """The ``budget`` most probable nodes from per-position draft distributions [depth, V]."""
     if budget < 1:
         raise BlockspecError(f"tree budget must be >= 1, got {budget}")

@@ -31,6 +31,7 @@ from blockspec.decoding.adaptive import AUTO
 from blockspec.decoding.generate import GenerationConfig, GenerationStats
 from blockspec.decoding.sequential import SequenceRow, SequentialEngine
 from blockspec.decoding.text import Detokenizer
+from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
 from blockspec.serve.metrics import ServerMetrics
 from blockspec.serve.schemas import APIError
 
@@ -43,7 +44,7 @@ class DecodingOptions:
 
     block_size: int | str | None = None
     tree_budget: int | None = None
-    tree_top_k: int = 4
+    tree_top_k: int = DEFAULT_TREE_TOP_K
 
     @property
     def per_sequence(self) -> bool:
