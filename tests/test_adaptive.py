@@ -246,16 +246,20 @@ def test_bench_compares_fixed_and_auto_widths_of_one_drafter(tiny_target_dir, ti
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "the quick brown"]))
     out = tmp_path / "bench"
     assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
-                 str(prompts_file), "--methods", "dflash@2,dflash@4,dflash@auto,dflash@t6", "--max-new-tokens", "12",
+                 str(prompts_file), "--methods", "dflash@2,dflash@4,dflash@auto,dflash@t6,dflash@t6-auto", "--max-new-tokens", "12",
                  "--out", str(out), "--no-progress", "--warmup-tokens", "2"]) == 0
     summary = json.loads((out / "results.json").read_text())["summary"]
     figures = next(iter(summary.values()))
-    assert set(figures) == {"ar", "dflash@2", "dflash@4", "dflash@auto", "dflash@t6"}
+    assert set(figures) == {"ar", "dflash@2", "dflash@4", "dflash@auto", "dflash@t6", "dflash@t6-auto"}
+    assert all(method["mismatches"] == 0 for method in figures.values())
     assert set(figures["dflash@2"]["verify_width_histogram"]) <= {"1", "2"}  # 1: a last step with no room
     assert max(int(w) for w in figures["dflash@auto"]["verify_width_histogram"]) <= 8
     assert max(int(w) for w in figures["dflash@t6"]["verify_width_histogram"]) <= 7  # nodes + the last token
+    assert max(int(w) for w in figures["dflash@t6-auto"]["verify_width_histogram"]) <= 7
     assert (out / "verify_widths.png").is_file()
     calibration = json.loads((out / "calibration.json").read_text())
     assert any("chain" in name for name in calibration) and (out / "calibration.png").is_file()
     assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
                  str(prompts_file), "--methods", "dflash@0", "--out", str(out)]) == 2
+    assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
+                 str(prompts_file), "--methods", "dflash@t6-wide", "--out", str(out)]) == 2

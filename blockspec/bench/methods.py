@@ -202,7 +202,8 @@ class MethodName:
     """A benchmark method's name taken apart: METHOD[@WIDTH][/dK]."""
 
     base: str
-    #: After '@': a verify width, 'auto', or t and a tree budget (None: the run's width).
+    #: After '@': a verify width, 'auto', or t and a tree budget, with '-auto' when the cost model
+    #: chooses how many of its nodes to verify (None: the run's width).
     width: str | None = None
     #: After '/d': the dflash drafter's denoising passes.
     denoise_steps: int = 1
@@ -241,7 +242,11 @@ def drafter_method(name: str, width: str | None, model, drafter) -> LoopMethod:
     if width is None:
         return LoopMethod(name, model, drafter)
     if width.startswith("t") and width[1:] != "auto":
-        return LoopMethod(name, model, drafter, tree_budget=parse_width(name, width[1:]))
+        budget, _, auto = width[1:].partition("-")
+        if auto not in ("", "auto"):
+            raise BlockspecError(f"benchmark method {name!r}: a tree is dflash@tN, or dflash@tN-auto for the "
+                                 "cost model to choose how many of its N nodes to verify")
+        return LoopMethod(name, model, drafter, tree_budget=parse_width(name, budget), block_size=auto or None)
     return LoopMethod(name, model, drafter, block_size=parse_width(name, width))
 
 
