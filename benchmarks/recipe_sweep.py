@@ -25,6 +25,8 @@ from blockspec.training.anchors import build_blocks
 from blockspec.training.data import load_samples
 from blockspec.training.trainer import TrainConfig, Trainer, pad_batch
 
+MAX_LENGTH = 512  # tokens per training sequence, as the shipped drafter's command
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,7 +56,7 @@ def main() -> None:
         out=f"{args.out}/{args.name}", num_layers=args.num_layers, intermediate_size=args.intermediate_size,
         target_layer_ids=args.target_layers, gamma=args.gamma, random_anchors=not args.fixed_blocks,
         decay_weights=not args.uniform_weights, block_size=args.block_size, batch_size=args.batch_size,
-        anchors_per_sequence=args.anchors_per_sequence, max_length=512, lr=args.lr, precision="bf16",
+        anchors_per_sequence=args.anchors_per_sequence, max_length=MAX_LENGTH, lr=args.lr, precision="bf16",
         max_steps=args.steps, save_every=0)
     started = time.perf_counter()
     trainer = Trainer(config, target, training)
@@ -73,14 +75,14 @@ def main() -> None:
 
 def split(caches, count):
     """(held-out, training) samples: ``count`` of the first cache, drawn with a fixed seed."""
-    first = load_samples(caches[0], max_length=512)
+    first = load_samples(caches[0], max_length=MAX_LENGTH)
     order = list(range(len(first)))
     random.Random(0).shuffle(order)
     held_out = [first[i] for i in order[:count]]
     kept = {s.id for s in held_out}
     training = [first[i] for i in order[count:]]
     for cache in caches[1:]:
-        training += [s for s in load_samples(cache, max_length=512) if s.id not in kept]
+        training += [s for s in load_samples(cache, max_length=MAX_LENGTH) if s.id not in kept]
     return held_out, training
 
 
@@ -93,6 +95,7 @@ def held_out_acceptance(trainer, target, samples, anchors, block_size):
     for start in range(0, len(samples), 4):
         batch = samples[start:start + 4]
         ids, loss_mask, seq_lengths = pad_batch(batch)
+        # negative keys: the trainer keeps features by sample index, and these are not training samples
         features = trainer.features([-1 - start - i for i in range(len(batch))], ids, seq_lengths)
         blocks = build_blocks(ids, loss_mask, seq_lengths, block_size=block_size, num_anchors=anchors,
                               mask_token_id=model.mask_token_id, gamma=None, generator=generator)
@@ -102,21 +105,14 @@ def held_out_acceptance(trainer, target, samples, anchors, block_size):
                            attention_mask=blocks.attention_mask)
         drafts = target.model.get_output_embeddings()(hidden.float()).argmax(-1)
         shape = (len(batch), anchors, block_size)
-        hits = ((drafts == blocks.labels) & (blocks.weights > 0)).view(shape)[..., 1:]
-        valid = (blocks.weights > 0).view(shape)[..., 1:]
-        for row_hits, row_valid in zip(hits.flatten(0, 1), valid.flatten(0, 1)):
-            if not row_valid[0]:
-                continue  # an unused anchor slot
-            run = 0
-            for k in range(block_size - 1):
-                if not row_valid[k]:
-                    break
-                reached[k] += 1
-                if not row_hits[k]:
-                    break
-                accepted[k] += 1
-                run += 1
-            lengths.append(run + 1)
+        hits = ((drafts == blocks.labels) & (blocks.weights > 0)).view(shape)[..., 1:].flatten(0, 1)
+        valid = (blocks.weights > 0).view(shape)[..., 1:].flatten(0, 1)
+        used = valid[:, 0]  # the others are unused anchor slots
+        streak = hits[used].int().cumprod(-1)  # 1 while every draft so far was accepted
+        before = torch.cat([torch.ones_like(streak[:, :1]), streak[:, :-1]], dim=-1)
+        reached += (valid[used] & before.bool()).sum(0)
+        accepted += streak.sum(0)
+        lengths += (streak.sum(-1) + 1).tolist()
     return sum(lengths) / len(lengths), (accepted / reached.clamp_min(1)).tolist()
 
 
