@@ -35,7 +35,8 @@ def main() -> int:
                         help="where the run read its prompts, for runs whose records lack prompt_ids")
     parser.add_argument("--widths", nargs="+", type=int, default=[16], help="chain verify widths")
     parser.add_argument("--trees", nargs="*", type=int, default=[], help="tree budgets (nodes)")
-    parser.add_argument("--tree-top-k", nargs="+", type=int, default=[DEFAULT_TREE_TOP_K], help="children per tree node")
+    parser.add_argument("--tree-top-k", nargs="+", type=int, default=[DEFAULT_TREE_TOP_K],
+                        help="children per tree node")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()

@@ -136,13 +136,14 @@ def _rows_by_id(records, data_dir) -> dict:
 
 
 def _rebuild_prompt(target, rows: dict, record: dict, config: dict) -> list[int]:
-    from blockspec.bench.runner import _encode
+    from blockspec.bench.runner import encode_history
 
     row = rows.get(record["id"])
     if row is None:
         raise BlockspecError(f"prompt {record['id']} of the results is not in the data source: pass the --data-dir "
                              "the bench read")
-    prompt = _encode(target, [{"role": "user", "content": row["turns"][0]}], config.get("use_chat_template", True))
+    first_turn = [{"role": "user", "content": row["turns"][0]}]
+    prompt = encode_history(target, first_turn, config.get("use_chat_template", True))
     if len(prompt) != record["prompt_tokens"][0]:
         raise BlockspecError(f"prompt {record['id']} rebuilds to {len(prompt)} tokens, the run had "
                              f"{record['prompt_tokens'][0]}: another data source, tokenizer or chat template")

@@ -125,7 +125,7 @@ def _decode_conversation(target, method, row: dict, config: BenchConfig) -> list
     results = []
     for turn in turns:
         history.append({"role": "user", "content": turn})
-        prompt_ids = _encode(target, history, config.use_chat_template)
+        prompt_ids = encode_history(target, history, config.use_chat_template)
         decode = method.decode(prompt_ids, generation)
         reply = target.tokenizer.decode(decode.token_ids, skip_special_tokens=True)
         history.append({"role": "assistant", "content": reply})
@@ -133,7 +133,7 @@ def _decode_conversation(target, method, row: dict, config: BenchConfig) -> list
     return results
 
 
-def _encode(target, history: list[dict], use_chat_template: bool) -> list[int]:
+def encode_history(target, history: list[dict], use_chat_template: bool) -> list[int]:
     if use_chat_template and target.tokenizer.chat_template:
         return target.encode_prompt(history)
     text = "\n\n".join(message["content"] for message in history)
