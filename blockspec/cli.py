@@ -146,6 +146,9 @@ def add_train_draft_command(commands) -> None:
     draft.add_argument("--target-layers", dest="target_layer_ids", type=layer_list, default=None, metavar="I,J,...",
                        help="target layers whose outputs the drafter reads, e.g. 1,15,29 (dflash default: as many "
                             "as draft layers, spread over depth; eagle3: three)")
+    draft.add_argument("--init-from", default=None, metavar="DIR",
+                       help="start from this drafter's weights (same architecture) with a fresh optimizer and "
+                            "learning-rate schedule, e.g. to continue a finished run on more data")
     draft.add_argument("--ttt-steps", type=int, default=4,
                        help="eagle3/mtp: recursion steps unrolled in training (training-time test)")
     draft.add_argument("--step-decay", type=float, default=None,

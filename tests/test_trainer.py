@@ -182,6 +182,38 @@ def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, train
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5, abs=1e-6)
 
 
+def test_init_from_a_finished_drafter_continues_from_its_weights(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    first = Trainer(small_config(tmp_path / "first", max_steps=30), target, samples)
+    first_state = first.run()
+    fresh = Trainer(small_config(tmp_path / "fresh", max_steps=5), target, samples).run()
+    continued_trainer = Trainer(small_config(tmp_path / "more", max_steps=5, init_from=str(tmp_path / "first" / "draft")),
+                                target, samples)
+    for name, tensor in first.model.state_dict().items():
+        assert torch.equal(continued_trainer.model.state_dict()[name], tensor), name
+    continued = continued_trainer.run()
+    assert continued_trainer.state.step == 5  # a fresh schedule, not the first run's
+    assert sum(continued.losses) < 0.8 * sum(fresh.losses)
+    assert sum(continued.losses) / 5 < 1.2 * sum(first_state.losses[-5:]) / 5
+
+
+def test_init_from_refuses_another_architecture(learned_target, training_data, tmp_path):
+    from blockspec.errors import BlockspecError
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    Trainer(small_config(tmp_path / "one-layer", max_steps=2), target, samples).run()
+    with pytest.raises(BlockspecError, match="does not match the drafter this run builds.*layers.1"):
+        Trainer(small_config(tmp_path / "two", num_layers=2, init_from=str(tmp_path / "one-layer" / "draft")),
+                target, samples)
+    with pytest.raises(BlockspecError, match="block_size is 8 there but 4 here"):
+        Trainer(small_config(tmp_path / "four", block_size=4, init_from=str(tmp_path / "one-layer" / "draft")),
+                target, samples)
+    with pytest.raises(BlockspecError, match="no such directory"):
+        Trainer(small_config(tmp_path / "x", init_from=str(tmp_path / "nowhere")), target, samples)
+
+
 def test_ctrl_c_saves_a_checkpoint(learned_target, training_data, tmp_path, monkeypatch):
     target, _, _ = learned_target
     samples, _ = training_data

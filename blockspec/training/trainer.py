@@ -47,6 +47,9 @@ class TrainConfig:
     mask_token_id: int | None = None
     intermediate_size: int | None = None
     target_layer_ids: list[int] | None = None
+    #: start from this drafter's weights (same architecture) with a fresh optimizer and schedule,
+    #: e.g. to continue a finished run on more data; --resume takes precedence once a checkpoint exists
+    init_from: str | None = None
     # eagle3 / mtp: unrolled steps, loss decay per step (None: the method's default), draft vocabulary
     ttt_steps: int = 4
     step_decay: float | None = None
@@ -195,6 +198,8 @@ class Trainer:
         self.method = training_method(config.method)
         torch.manual_seed(config.seed)
         self.model = self.method.build(config, target, samples).to(target.model.device).train()
+        if config.init_from:
+            self._load_weights_from(config.init_from)
         layers = self.method.feature_layers(self.model)
         keep_dtype = torch.bfloat16 if self._autocast_wanted() else torch.float32
         self.features = FeatureSource(target.model, layers, config.cache_features, keep_dtype) if layers else None
@@ -355,6 +360,22 @@ class Trainer:
             (self.out / "train_config.json").write_text(json.dumps(asdict(self.config), indent=1))
         barrier()
 
+    def _load_weights_from(self, directory: str) -> None:
+        """Copy a saved drafter's weights into the freshly built model, refusing another shape."""
+        if not Path(directory).is_dir():
+            raise BlockspecError(f"--init-from {directory}: no such directory (give a drafter saved by train-draft)")
+        loaded = self.method.load(directory)
+        problems = describe_state_mismatch(self.model.state_dict(), loaded.state_dict())
+        for name in ("block_size", "mask_token_id", "target_layer_ids"):
+            mine, theirs = getattr(self.model, name, None), getattr(loaded, name, None)
+            if mine != theirs:
+                problems.append(f"{name} is {theirs} there but {mine} here")
+        if problems:
+            raise BlockspecError(f"--init-from {directory} does not match the drafter this run builds: "
+                                 f"{'; '.join(problems[:4])} (give the same --num-layers, --intermediate-size, "
+                                 "--target-layers, --block-size and --mask-token-id it was trained with)")
+        self.model.load_state_dict(loaded.state_dict())
+
     def _load_latest(self) -> None:
         directory = latest_checkpoint(self.out)
         if directory is None:
@@ -386,6 +407,15 @@ def latest_checkpoint(out: str | Path) -> Path | None:
         return None
     directory = pointer.parent / pointer.read_text().strip()
     return directory if directory.is_dir() else None
+
+
+def describe_state_mismatch(expected: dict, given: dict) -> list[str]:
+    """What keeps ``given`` from loading into a model whose state dict is ``expected``."""
+    problems = [f"{key} missing" for key in expected if key not in given]
+    problems += [f"unexpected {key}" for key in given if key not in expected]
+    problems += [f"{key} has shape {tuple(given[key].shape)}, expected {tuple(tensor.shape)}"
+                 for key, tensor in expected.items() if key in given and given[key].shape != tensor.shape]
+    return problems
 
 
 def _write_text_atomically(path: Path, text: str) -> None:
