@@ -246,7 +246,8 @@ def test_bench_compares_fixed_and_auto_widths_of_one_drafter(tiny_target_dir, ti
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "the quick brown"]))
     out = tmp_path / "bench"
     assert main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--datasets",
-                 str(prompts_file), "--methods", "dflash@2,dflash@4,dflash@auto,dflash@t6,dflash@t6-auto", "--max-new-tokens", "12",
+                 str(prompts_file), "--methods", "dflash@2,dflash@4,dflash@auto,dflash@t6,dflash@t6-auto",
+                 "--max-new-tokens", "12",
                  "--out", str(out), "--no-progress", "--warmup-tokens", "2"]) == 0
     summary = json.loads((out / "results.json").read_text())["summary"]
     figures = next(iter(summary.values()))

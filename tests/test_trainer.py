@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -188,7 +189,8 @@ def test_init_from_a_finished_drafter_continues_from_its_weights(learned_target,
     first = Trainer(small_config(tmp_path / "first", max_steps=30), target, samples)
     first_state = first.run()
     fresh = Trainer(small_config(tmp_path / "fresh", max_steps=5), target, samples).run()
-    continued_trainer = Trainer(small_config(tmp_path / "more", max_steps=5, init_from=str(tmp_path / "first" / "draft")),
+    starting_weights = str(tmp_path / "first" / "draft")
+    continued_trainer = Trainer(small_config(tmp_path / "more", max_steps=5, init_from=starting_weights),
                                 target, samples)
     for name, tensor in first.model.state_dict().items():
         assert torch.equal(continued_trainer.model.state_dict()[name], tensor), name
@@ -196,6 +198,17 @@ def test_init_from_a_finished_drafter_continues_from_its_weights(learned_target,
     assert continued_trainer.state.step == 5  # a fresh schedule, not the first run's
     assert sum(continued.losses) < 0.8 * sum(fresh.losses)
     assert sum(continued.losses) / 5 < 1.2 * sum(first_state.losses[-5:]) / 5
+
+
+def test_resume_takes_precedence_over_init_from(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    Trainer(small_config(tmp_path / "first", max_steps=4), target, samples).run()
+    config = small_config(tmp_path / "more", max_steps=6, save_every=2, init_from=str(tmp_path / "first" / "draft"))
+    Trainer(config, target, samples).run(until_step=2)
+    shutil.rmtree(tmp_path / "first")  # the run's own checkpoint is all a resume needs
+    resumed = Trainer(config, target, samples, resume=True)
+    assert resumed.state.step == 2
 
 
 def test_init_from_refuses_another_architecture(learned_target, training_data, tmp_path):

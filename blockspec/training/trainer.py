@@ -198,7 +198,8 @@ class Trainer:
         self.method = training_method(config.method)
         torch.manual_seed(config.seed)
         self.model = self.method.build(config, target, samples).to(target.model.device).train()
-        if config.init_from:
+        resuming = resume and latest_checkpoint(self.out) is not None
+        if config.init_from and not resuming:  # a checkpoint of this run supersedes the starting weights
             self._load_weights_from(config.init_from)
         layers = self.method.feature_layers(self.model)
         keep_dtype = torch.bfloat16 if self._autocast_wanted() else torch.float32
@@ -209,7 +210,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_with_warmup(self.total_steps, config.warmup_ratio))
-        if resume:
+        if resuming:
             self._load_latest()
         self.ddp_model = self._wrap_for_ddp()
 
@@ -365,7 +366,8 @@ class Trainer:
         if not Path(directory).is_dir():
             raise BlockspecError(f"--init-from {directory}: no such directory (give a drafter saved by train-draft)")
         loaded = self.method.load(directory)
-        problems = describe_state_mismatch(self.model.state_dict(), loaded.state_dict())
+        weights = loaded.state_dict()
+        problems = describe_state_mismatch(self.model.state_dict(), weights)
         for name in ("block_size", "mask_token_id", "target_layer_ids"):
             mine, theirs = getattr(self.model, name, None), getattr(loaded, name, None)
             if mine != theirs:
@@ -374,12 +376,10 @@ class Trainer:
             raise BlockspecError(f"--init-from {directory} does not match the drafter this run builds: "
                                  f"{'; '.join(problems[:4])} (give the same --num-layers, --intermediate-size, "
                                  "--target-layers, --block-size and --mask-token-id it was trained with)")
-        self.model.load_state_dict(loaded.state_dict())
+        self.model.load_state_dict(weights)
 
     def _load_latest(self) -> None:
         directory = latest_checkpoint(self.out)
-        if directory is None:
-            return
         loaded = self.method.load(directory)
         self.model.load_state_dict(loaded.state_dict())
         saved = torch.load(directory / STATE_FILE, weights_only=False)
