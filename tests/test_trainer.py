@@ -372,3 +372,59 @@ def test_features_are_kept_in_bf16_under_bf16_autocast_and_come_back_as_float32(
         assert first.dtype == again.dtype == torch.float32
         torch.testing.assert_close(first, again, rtol=0, atol=0)
     assert kept == {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _samples_seen(trainer) -> set[int]:
+    return {i for step in range(trainer.total_steps) for i in trainer._batch_indices(step, 0)}
+
+
+def test_features_kept_on_disk_train_exactly_as_in_memory_and_are_reused(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    store_dir = tmp_path / "features"
+    in_memory = Trainer(small_config(tmp_path / "memory", max_steps=12, save_every=0), target, samples)
+    expected = in_memory.run().losses
+    first = Trainer(small_config(tmp_path / "disk", max_steps=12, save_every=0, feature_cache_dir=str(store_dir)),
+                    target, samples)
+    assert first.run().losses == expected
+    assert not first.features.kept  # on disk instead of in memory
+    assert len(first.features.store) == len(_samples_seen(first))
+    again = Trainer(small_config(tmp_path / "again", max_steps=12, save_every=0, feature_cache_dir=str(store_dir)),
+                    target, samples)
+    again.features.model = None  # a forward of the target would fail: every feature must come from disk
+    assert again.run().losses == expected
+
+
+def test_a_feature_cache_of_other_target_layers_is_refused(learned_target, training_data, tmp_path):
+    from blockspec.errors import BlockspecError
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    store_dir = str(tmp_path / "features")
+    Trainer(small_config(tmp_path / "a", target_layer_ids=[0], feature_cache_dir=store_dir), target, samples)
+    with pytest.raises(BlockspecError, match=r"holds features of another target or setting \(differs in: layer_ids"):
+        Trainer(small_config(tmp_path / "b", target_layer_ids=[1], feature_cache_dir=store_dir), target, samples)
+
+
+def test_an_unreadable_feature_file_is_recomputed(learned_target, training_data, tmp_path):
+    from blockspec.training.trainer import pad_batch
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    trainer = Trainer(small_config(tmp_path / "run", feature_cache_dir=str(tmp_path / "features")), target, samples)
+    ids, _, lengths = pad_batch([samples[0], samples[1]])
+    computed = trainer.features([0, 1], ids, lengths)
+    damaged = trainer.features.store.path(samples[0].input_ids)
+    damaged.write_bytes(damaged.read_bytes()[:40])  # as a crash of another writer could not leave it, but a disk can
+    again = trainer.features([0, 1], ids, lengths)
+    torch.testing.assert_close(again, computed, rtol=0, atol=0)
+    assert trainer.features.store.recomputed_unreadable == 1
+    assert "1 unreadable files recomputed" in trainer.features.store.summary()
+    assert trainer.features.store.load(samples[0].input_ids) is not None  # rewritten
+
+
+def test_feature_cache_directory_with_caching_off_is_a_clear_error(tmp_path):
+    from blockspec.errors import BlockspecError
+
+    with pytest.raises(BlockspecError, match="drop one of --feature-cache and --no-feature-cache"):
+        TrainConfig(out=str(tmp_path), cache_features=False, feature_cache_dir=str(tmp_path / "f"))

@@ -103,6 +103,8 @@ def train_draft(target_name: str, data: DataConfig, config: TrainConfig, *, resu
     _say(rank, f"{len(samples)} training sequences, {sum(s.num_response_tokens for s in samples)} response tokens")
     trainer = Trainer(config, target, samples, eval_prompts, resume=resume)
     trainer.run()
+    if trainer.features is not None and trainer.features.store is not None:
+        _say(rank, trainer.features.store.summary())
     if trainer.eval_prompts and rank == 0:
         final = trainer.evaluate()
         _say(rank, f"final held-out tau {final['tau']:.2f}")

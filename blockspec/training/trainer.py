@@ -30,6 +30,7 @@ from blockspec.decoding.generate import GenerationConfig, speculative_generate
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import save_atomically
 from blockspec.training.anchors import default_gamma
+from blockspec.training.feature_store import FeatureStore, target_fingerprint
 from blockspec.training.methods import TRAINABLE_METHODS, Batch, training_method
 
 STATE_FILE = "trainer_state.pt"
@@ -70,7 +71,10 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
     seed: int = 0
+    #: keep the target's features after their first use (in memory, or in feature_cache_dir)
     cache_features: bool = True
+    #: keep them on disk here instead of in memory, shared by every run on the same target and layers
+    feature_cache_dir: str | None = None
     # "auto": bf16 autocast on CUDA, fp32 elsewhere; "bf16" forces autocast (CPUs with bf16 units)
     precision: str = "auto"
     # bookkeeping
@@ -90,6 +94,9 @@ class TrainConfig:
                 raise BlockspecError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.epochs <= 0:
             raise BlockspecError("lr and epochs must be > 0")
+        if self.feature_cache_dir and not self.cache_features:
+            raise BlockspecError("a feature cache directory was given with feature caching off: drop one of "
+                                 "--feature-cache and --no-feature-cache")
         if self.precision not in PRECISIONS:
             raise BlockspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
@@ -131,33 +138,46 @@ def pick_mask_token(tokenizer, vocab_size: int) -> int:
 class FeatureSource:
     """Context features of the frozen target, computed once per sample and kept if asked.
 
+    Kept in memory, or on disk when a FeatureStore is given (then not in memory).
     ``keep_dtype``: the dtype of the kept copies (bf16 under bf16 autocast, where the drafter's
     first product rounds them to bf16 anyway: half the memory, the same training); batches
     come back in float32.
     """
 
-    def __init__(self, target_model, layer_ids: list[int], keep: bool, keep_dtype: torch.dtype = torch.float32):
+    def __init__(self, target_model, layer_ids: list[int], keep: bool, keep_dtype: torch.dtype = torch.float32,
+                 store: FeatureStore | None = None):
         self.model = target_model
         self.layer_ids = layer_ids
         self.keep = keep
         self.keep_dtype = keep_dtype
+        self.store = store
         self.kept: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
     def __call__(self, indices: list[int], input_ids: torch.LongTensor, lengths: torch.LongTensor) -> torch.Tensor:
-        missing = [row for row, index in enumerate(indices) if index not in self.kept]
-        computed = {}
+        tokens = [input_ids[row, : int(lengths[row])] for row in range(len(indices))]
+        found = [self._kept_features(index, ids) for index, ids in zip(indices, tokens)]
+        missing = [row for row, features in enumerate(found) if features is None]
         if missing:
-            rows = input_ids[missing]
-            out = self.model.base_model(input_ids=rows.to(self.model.device), output_hidden_states=True)
+            out = self.model.base_model(input_ids=input_ids[missing].to(self.model.device), output_hidden_states=True)
             features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1).float().cpu()
             for position, row in enumerate(missing):
-                computed[row] = features[position, : int(lengths[row])].to(self.keep_dtype)
-                if self.keep:
-                    self.kept[indices[row]] = computed[row].clone()  # not a view pinning the whole batch
+                # a copy, not a view pinning the whole batch
+                found[row] = features[position, : int(lengths[row])].to(self.keep_dtype).clone()
+                self._keep(indices[row], tokens[row], found[row])
         width = input_ids.shape[1]
-        batch = [computed[row] if row in computed else self.kept[index] for row, index in enumerate(indices)]
-        return torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - f.shape[0])) for f in batch]).float()
+        return torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - f.shape[0])) for f in found]).float()
+
+    def _kept_features(self, index: int, token_ids: torch.Tensor) -> torch.Tensor | None:
+        if self.store is not None:
+            return self.store.load(token_ids)
+        return self.kept.get(index)
+
+    def _keep(self, index: int, token_ids: torch.Tensor, features: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store.save(token_ids, features)
+        elif self.keep:
+            self.kept[index] = features
 
 
 def pad_batch(samples) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
@@ -203,7 +223,7 @@ class Trainer:
             self._load_weights_from(config.init_from)
         layers = self.method.feature_layers(self.model)
         keep_dtype = torch.bfloat16 if self._autocast_wanted() else torch.float32
-        self.features = FeatureSource(target.model, layers, config.cache_features, keep_dtype) if layers else None
+        self.features = self._feature_source(layers, keep_dtype) if layers else None
         self.total_steps = config.max_steps or max(1, math.ceil(
             config.epochs * len(samples) / (config.batch_size * config.grad_accum * self.world)))
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -215,6 +235,13 @@ class Trainer:
         self.ddp_model = self._wrap_for_ddp()
 
     # --- set-up -------------------------------------------------------------------------
+
+    def _feature_source(self, layers: list[int], keep_dtype: torch.dtype) -> FeatureSource:
+        store = None
+        if self.config.feature_cache_dir:
+            fingerprint = target_fingerprint(self.target.model, layers, keep_dtype)
+            store = FeatureStore(self.config.feature_cache_dir, fingerprint)
+        return FeatureSource(self.target.model, layers, self.config.cache_features, keep_dtype, store)
 
     def _wrap_for_ddp(self):
         if self.world == 1:

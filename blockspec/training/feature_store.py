@@ -1,0 +1,113 @@
+"""The frozen target's context features kept on disk instead of in memory.
+
+One safetensors file per training sequence, named by a hash of its tokens, so the store
+serves every run, resume and DDP rank that trains on the same target and layers: the
+features of a sequence are computed once, ever. A run on 7500 SmolLM2 responses keeps
+about 7.5 GB of features; on disk that is page cache the kernel can drop, not process
+memory that can run a 24 GB machine out. Files are written atomically (a crash leaves no
+half file), and one that cannot be read is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from blockspec.errors import BlockspecError
+
+FINGERPRINT_FILE = "features.json"
+TENSOR_NAME = "features"
+
+
+def target_fingerprint(target_model, layer_ids: list[int], dtype: torch.dtype) -> dict:
+    """What the stored features depend on: the target's weights, the layers read, the dtype kept.
+
+    The weights are identified by a digest of their first rows (cheap, and different for any
+    other checkpoint of the same architecture), not by their path, which a user may reuse.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(target_model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().reshape(-1)[:256].float().cpu().numpy().tobytes())
+    return {
+        "format": 1,
+        "target": str(getattr(target_model.config, "_name_or_path", "")),
+        "target_weights_sha256": digest.hexdigest(),
+        "target_dtype": str(next(target_model.parameters()).dtype).removeprefix("torch."),
+        "layer_ids": list(layer_ids),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+class FeatureStore:
+    def __init__(self, directory: str | Path, fingerprint: dict):
+        self.directory = Path(directory)
+        self.recomputed_unreadable = 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._check_fingerprint(fingerprint)
+
+    def _check_fingerprint(self, fingerprint: dict) -> None:
+        path = self.directory / FINGERPRINT_FILE
+        if not path.exists():
+            _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(fingerprint, indent=2) + "\n"))
+            return
+        try:
+            stored = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise BlockspecError(f"{path} is not valid JSON ({error}): remove the feature cache "
+                                 f"{self.directory} or pass another --feature-cache") from None
+        if stored != fingerprint:
+            differing = sorted(key for key in fingerprint.keys() | stored.keys()
+                               if stored.get(key) != fingerprint.get(key))
+            raise BlockspecError(
+                f"the feature cache {self.directory} holds features of another target or setting "
+                f"(differs in: {', '.join(differing)}): pass another --feature-cache directory, "
+                f"or remove this one to rebuild it")
+
+    def path(self, token_ids: torch.Tensor) -> Path:
+        name = hashlib.sha256(token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
+        return self.directory / name[:2] / f"{name}.safetensors"
+
+    def load(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        path = self.path(token_ids)
+        if not path.exists():
+            return None
+        try:
+            features = load_file(path)[TENSOR_NAME]
+        except (SafetensorError, KeyError, OSError):
+            self.recomputed_unreadable += 1
+            return None
+        if features.shape[0] != token_ids.numel():
+            self.recomputed_unreadable += 1
+            return None
+        return features
+
+    def save(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
+        path = self.path(token_ids)
+        path.parent.mkdir(exist_ok=True)
+        _write_atomically(path, lambda tmp: save_file({TENSOR_NAME: features.contiguous()}, tmp))
+
+    def summary(self) -> str:
+        unreadable = f"; {self.recomputed_unreadable} unreadable files recomputed" if self.recomputed_unreadable else ""
+        return f"feature cache {self.directory}: {len(self)} sequences{unreadable}"
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.directory.glob("*/*.safetensors"))
+
+
+def _write_atomically(path: Path, write) -> None:
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
