@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 from blockspec.decoding.generate import acceptance_by_position
 from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import write_text_atomically
 
 BASELINES = ("ar", "hf")
 
@@ -138,8 +137,8 @@ def write_outputs(run, out_dir, *, plots: bool = True) -> dict[str, Path]:
     summary = summarize(data["records"], data["methods"])
     data = {**data, "summary": summary}
     paths = {"json": out / "results.json", "markdown": out / "results.md"}
-    _write_atomically(paths["json"], json.dumps(data, indent=1) + "\n")
-    _write_atomically(paths["markdown"], markdown_report(data, summary))
+    write_text_atomically(paths["json"], json.dumps(data, indent=1) + "\n")
+    write_text_atomically(paths["markdown"], markdown_report(data, summary))
     if plots and data["records"]:
         from blockspec.bench.plots import write_plots
 
@@ -158,13 +157,6 @@ def load_results(path) -> dict:
     if not isinstance(data, dict) or "records" not in data or "methods" not in data:
         raise BlockspecError(f"{path} is not a blockspec bench result (no 'records' / 'methods')")
     return data
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w", encoding="utf-8") as file:
-        file.write(text)
-    os.replace(temporary, path)
 
 
 # --------------------------------------------------------------------------------------

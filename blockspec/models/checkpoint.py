@@ -75,6 +75,24 @@ def _describe_mismatch(mismatch) -> str:
     return str(mismatch)
 
 
+def write_file_atomically(path: str | Path, write_fn) -> Path:
+    """Run ``write_fn(tmp_path)`` then move the file into place: readers see the old file or the new one."""
+    path = Path(path)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
+    try:
+        write_fn(staging)
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    return write_file_atomically(path, lambda staging: Path(staging).write_text(text, encoding="utf-8"))
+
+
 def save_atomically(save_fn, directory: str | Path) -> Path:
     """Run ``save_fn(tmp_dir)`` then move tmp_dir into place, so a crash never leaves half a checkpoint."""
     directory = Path(directory)

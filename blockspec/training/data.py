@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import write_text_atomically
 
 # --------------------------------------------------------------------------------------
 # Prompts
@@ -567,12 +568,6 @@ def _rewrite_cache(cache_path: Path, rows: list[dict]) -> None:
     os.replace(tmp, cache_path)
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _open_cache(cache_path: Path, settings: dict, info: dict, *, overwrite: bool) -> dict[str, dict]:
     """Check the sidecar, prepare the cache for appending; return the done rows by id."""
     cache_path.parent.mkdir(parents=True, exist_ok=True)
@@ -605,8 +600,8 @@ def _open_cache(cache_path: Path, settings: dict, info: dict, *, overwrite: bool
     if not scan.clean:
         _rewrite_cache(cache_path, scan.rows)
     if not has_rows or not meta_file.exists():
-        _write_json_atomic(meta_file, {"format": CACHE_FORMAT, "version": CACHE_VERSION,
-                                       "settings": settings, "info": info})
+        meta = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "settings": settings, "info": info}
+        write_text_atomically(meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
     done: dict[str, dict] = {}
     for row in scan.rows:
         done.setdefault(row["id"], row)

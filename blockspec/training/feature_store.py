@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import write_file_atomically, write_text_atomically
 
 FINGERPRINT_FILE = "features.json"
 TENSOR_NAME = "features"
@@ -56,7 +55,7 @@ class FeatureStore:
     def _check_fingerprint(self, fingerprint: dict) -> None:
         path = self.directory / FINGERPRINT_FILE
         if not path.exists():
-            _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(fingerprint, indent=2) + "\n"))
+            write_text_atomically(path, json.dumps(fingerprint, indent=2) + "\n")
             return
         try:
             stored = json.loads(path.read_text())
@@ -82,9 +81,8 @@ class FeatureStore:
         try:
             features = load_file(path)[TENSOR_NAME]
         except (SafetensorError, KeyError, OSError):
-            self.recomputed_unreadable += 1
-            return None
-        if features.shape[0] != token_ids.numel():
+            features = None
+        if features is None or features.shape[0] != token_ids.numel():
             self.recomputed_unreadable += 1
             return None
         return features
@@ -92,7 +90,7 @@ class FeatureStore:
     def save(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
         path = self.path(token_ids)
         path.parent.mkdir(exist_ok=True)
-        _write_atomically(path, lambda tmp: save_file({TENSOR_NAME: features.contiguous()}, tmp))
+        write_file_atomically(path, lambda tmp: save_file({TENSOR_NAME: features.contiguous()}, tmp))
 
     def summary(self) -> str:
         unreadable = f"; {self.recomputed_unreadable} unreadable files recomputed" if self.recomputed_unreadable else ""
@@ -101,13 +99,3 @@ class FeatureStore:
     def __len__(self) -> int:
         return sum(1 for _ in self.directory.glob("*/*.safetensors"))
 
-
-def _write_atomically(path: Path, write) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import save_atomically
+from blockspec.models.checkpoint import save_atomically, write_text_atomically
 from blockspec.training.anchors import default_gamma
 from blockspec.training.feature_store import FeatureStore, target_fingerprint
 from blockspec.training.methods import TRAINABLE_METHODS, Batch, training_method
@@ -424,7 +424,7 @@ def write_checkpoint(out: str | Path, step: int, write) -> Path:
     ``latest`` points at it. A kill while a new step is written leaves ``latest`` on the last
     complete checkpoint."""
     directory = save_atomically(write, checkpoint_dir(out, step))
-    _write_text_atomically(Path(out) / "checkpoints" / LATEST_FILE, directory.name)
+    write_text_atomically(Path(out) / "checkpoints" / LATEST_FILE, directory.name)
     return directory
 
 
@@ -443,12 +443,6 @@ def describe_state_mismatch(expected: dict, given: dict) -> list[str]:
     problems += [f"{key} has shape {tuple(given[key].shape)}, expected {tuple(tensor.shape)}"
                  for key, tensor in expected.items() if key in given and given[key].shape != tensor.shape]
     return problems
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _step_seed(seed: int, step: int, micro: int, rank: int) -> int:
