@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, default=None)
     parser.add_argument("--fixed-blocks", action="store_true")
     parser.add_argument("--uniform-weights", action="store_true")
+    parser.add_argument("--soft-labels", action="store_true")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--anchors-per-sequence", type=int, default=32)
@@ -55,8 +56,9 @@ def main() -> None:
     config = TrainConfig(
         out=f"{args.out}/{args.name}", num_layers=args.num_layers, intermediate_size=args.intermediate_size,
         target_layer_ids=args.target_layers, gamma=args.gamma, random_anchors=not args.fixed_blocks,
-        decay_weights=not args.uniform_weights, block_size=args.block_size, batch_size=args.batch_size,
-        anchors_per_sequence=args.anchors_per_sequence, max_length=MAX_LENGTH, lr=args.lr, precision="bf16",
+        decay_weights=not args.uniform_weights, soft_labels=args.soft_labels, block_size=args.block_size,
+        batch_size=args.batch_size, anchors_per_sequence=args.anchors_per_sequence, max_length=MAX_LENGTH,
+        lr=args.lr, precision="bf16",
         max_steps=args.steps, save_every=0)
     started = time.perf_counter()
     trainer = Trainer(config, target, training)

@@ -161,6 +161,9 @@ def add_train_draft_command(commands) -> None:
     recipe.add_argument("--uniform-weights", dest="decay_weights", action="store_false",
                         help="uniform loss weights instead of exp(-(k-1)/gamma)")
     recipe.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16)")
+    recipe.add_argument("--soft-labels", action="store_true",
+                        help="dflash: learn the target's whole next-token distribution at each block position "
+                             "(read from its last layer, which must be among --target-layers) instead of its token")
     recipe.add_argument("--anchors-per-sequence", type=int, default=32)
     recipe.add_argument("--max-length", type=int, default=1024)
     optim = parser.add_argument_group("optimisation")

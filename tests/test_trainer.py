@@ -15,7 +15,7 @@ from blockspec.models.dflash import load_dflash_model
 from blockspec.training import trainer as trainer_module
 from blockspec.training.anchors import build_blocks, loss_weights
 from blockspec.training.data import TrainingSample
-from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pick_mask_token
+from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pad_batch, pick_mask_token
 
 
 # --- anchors, labels, weights and the block-sparse mask ------------------------------------
@@ -140,6 +140,50 @@ def test_training_lowers_the_loss_and_raises_tau(learned_target, training_data, 
     assert trained > untrained + 0.5, (untrained, trained)
     loaded = load_dflash_model(tmp_path / "draft")
     assert loaded.block_size == 8 and loaded.mask_token_id == pick_mask_token(target.tokenizer, 320)
+
+
+def test_soft_labels_are_the_targets_own_predictions_of_the_block_tokens(learned_target, training_data, tmp_path):
+    from blockspec.training.methods import teacher_states
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    last = target.model.config.num_hidden_layers - 1
+    config = small_config(tmp_path, target_layer_ids=[0, last], soft_labels=True, max_steps=2)
+    trainer = Trainer(config, target, samples)
+    ids, loss_mask, lengths = pad_batch(samples[:4])
+    features = trainer.features([0, 1, 2, 3], ids, lengths)
+    blocks = build_blocks(ids, loss_mask, lengths, block_size=8, num_anchors=6, mask_token_id=0, gamma=3.0,
+                          generator=torch.Generator().manual_seed(0))
+    supervised = blocks.weights > 0
+    teacher = teacher_states(trainer.model, target, features, blocks.block_positions, supervised)
+    predicted = target.model.get_output_embeddings()(teacher).argmax(-1)
+    # the responses are the target's greedy output: its prediction at a+k-1 is the token at a+k
+    assert supervised.sum() > 50
+    assert (predicted == blocks.labels[supervised]).float().mean() > 0.97
+
+
+def test_soft_labels_train_and_raise_tau(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, eval_prompts = training_data
+    last = target.model.config.num_hidden_layers - 1
+    config = small_config(tmp_path, max_steps=100, anchors_per_sequence=12, target_layer_ids=[0, last],
+                          soft_labels=True)
+    trainer = Trainer(config, target, samples, eval_prompts)
+    untrained = trainer.evaluate()["tau"]
+    state = trainer.run()
+    assert sum(state.losses[-5:]) / 5 < 0.7 * sum(state.losses[:5]) / 5
+    assert trainer.evaluate()["tau"] > untrained + 0.5
+
+
+def test_soft_labels_need_the_targets_last_layer_and_dflash(learned_target, training_data, tmp_path):
+    from blockspec.errors import BlockspecError
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    with pytest.raises(BlockspecError, match="add 1 to --target-layers"):
+        Trainer(small_config(tmp_path, target_layer_ids=[0], soft_labels=True), target, samples)
+    with pytest.raises(BlockspecError, match="dflash switch"):
+        small_config(tmp_path, method="eagle3", soft_labels=True)
 
 
 def test_bf16_autocast_trains_close_to_fp32_with_fp32_weights(learned_target, training_data, tmp_path):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.errors import BlockspecError
-from blockspec.training.vocab_loss import head_cross_entropy
+from blockspec.training.vocab_loss import head_cross_entropy, linear_soft_cross_entropy
 
 TRAINABLE_METHODS = ("dflash", "eagle3", "mtp", "draft")
 #: Loss weight of unrolled step k is decay**k (EAGLE-3 uses 0.8; FastMTP decays faster).
@@ -94,6 +94,8 @@ class DFlashTraining:
             intermediate_size=config.intermediate_size)
         model = DFlashDraftModel(draft_config)
         check_fits_target(model, target_model.config, draft_name="the drafter to train")
+        if config.soft_labels:
+            check_soft_labels(model, target)
         copy_final_norm(model.norm, target_model)
         return model
 
@@ -120,7 +122,13 @@ class DFlashTraining:
         # past the sequence's end carry weight 0, and the vocabulary-wide head is the costliest step.
         supervised = blocks.weights > 0
         labels, weights = blocks.labels[supervised].to(device), blocks.weights[supervised].to(device)
-        losses, hits = head_cross_entropy(target.model.get_output_embeddings(), hidden[supervised.to(device)], labels)
+        head = target.model.get_output_embeddings()
+        if config.soft_labels:
+            teacher = teacher_states(model, target, batch.features, blocks.block_positions, supervised)
+            losses, hits = linear_soft_cross_entropy(hidden[supervised.to(device)], head.weight, teacher.to(device),
+                                                     labels)
+        else:
+            losses, hits = head_cross_entropy(head, hidden[supervised.to(device)], labels)
         loss = (losses * weights).sum() / weights.sum().clamp_min(1e-8)
         return loss, hits.float().mean().item() if hits.numel() else math.nan
 
@@ -132,6 +140,31 @@ class DFlashTraining:
     def write(self, model, directory, target):
         model.config.architectures = ["DFlashDraftModel"]
         model.save_pretrained(directory, safe_serialization=True)
+
+
+def check_soft_labels(model, target) -> None:
+    """Soft labels are read from the target's last layer (its normed output), which must be a context layer."""
+    last = target.model.config.num_hidden_layers - 1
+    head = target.model.get_output_embeddings()
+    if last not in model.target_layer_ids:
+        raise BlockspecError(f"--soft-labels reads the target's next-token distribution from its last layer: "
+                             f"add {last} to --target-layers (now {','.join(map(str, model.target_layer_ids))})")
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise BlockspecError("--soft-labels needs a target whose LM head is a bias-free linear layer")
+
+
+def teacher_states(model, target, features, block_positions, supervised) -> torch.Tensor:
+    """The target's final (normed) hidden state that predicts each supervised block token.
+
+    Block slot k of an anchor a holds token a+k; the target predicted it at position a+k-1, and
+    the output of the target's last layer there, through the LM head, is that prediction.
+    """
+    last = model.target_layer_ids.index(target.model.config.num_hidden_layers - 1)
+    width = features.shape[-1] // len(model.target_layer_ids)
+    final_states = features[..., last * width:(last + 1) * width]
+    rows = torch.arange(features.shape[0])[:, None].expand_as(block_positions)
+    sources = (block_positions - 1).clamp_min(0)
+    return final_states[rows[supervised], sources[supervised]]
 
 
 # ---------------------------------------------------------------------------

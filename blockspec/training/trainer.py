@@ -59,6 +59,8 @@ class TrainConfig:
     random_anchors: bool = True
     decay_weights: bool = True
     gamma: float | None = None
+    #: dflash: learn the target's whole next-token distribution at each block position, not only its token
+    soft_labels: bool = False
     anchors_per_sequence: int = 32
     max_length: int = 1024
     # optimisation
@@ -97,6 +99,8 @@ class TrainConfig:
         if self.feature_cache_dir and not self.cache_features:
             raise BlockspecError("a feature cache directory was given with feature caching off: drop one of "
                                  "--feature-cache and --no-feature-cache")
+        if self.soft_labels and self.method != "dflash":
+            raise BlockspecError(f"--soft-labels is a dflash switch; method {self.method!r} does not take it")
         if self.precision not in PRECISIONS:
             raise BlockspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 

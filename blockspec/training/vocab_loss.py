@@ -85,3 +85,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _chunks(rows: int, size: int):
     for start in range(0, rows, size):
         yield slice(start, min(rows, start + size))
+
+
+def linear_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                              labels: torch.LongTensor, chunk_rows: int = DEFAULT_CHUNK_ROWS):
+    """Per-row cross-entropy of ``softmax(hidden @ weight.T)`` against the teacher's whole distribution
+    ``softmax(teacher_hidden @ weight.T)`` (the target's next-token distribution through the same head),
+    and whether each row's argmax hits ``labels``.
+
+    Equal to ``linear_cross_entropy`` when the teacher is one-hot on the label; it differs from the
+    KL divergence by the teacher's entropy, a constant. Gradients flow to ``hidden`` only.
+    """
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+        else hidden.dtype
+    return _LinearSoftCrossEntropy.apply(hidden, weight.detach(), teacher_hidden.detach(), labels, chunk_rows,
+                                        compute_dtype)
+
+
+class _LinearSoftCrossEntropy(torch.autograd.Function):
+    """Forward keeps softmax(student) - softmax(teacher) per chunk: exactly the gradient of the logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_hidden, labels, chunk_rows, compute_dtype):
+        head = weight.to(compute_dtype)
+        rows = hidden.shape[0]
+        losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        hits = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+        residual = torch.empty((rows, weight.shape[0]), dtype=compute_dtype, device=hidden.device)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for chunk in _chunks(rows, chunk_rows):
+                log_student = (hidden[chunk].to(compute_dtype) @ head.T).float().log_softmax(dim=-1)
+                teacher = (teacher_hidden[chunk].to(compute_dtype) @ head.T).float().softmax(dim=-1)
+                hits[chunk] = log_student.argmax(dim=-1) == labels[chunk]
+                losses[chunk] = -(teacher * log_student).sum(dim=-1)
+                residual[chunk] = log_student.exp_().sub_(teacher)
+        ctx.save_for_backward(weight, residual)
+        ctx.compute_dtype = compute_dtype
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(hits)
+        return losses, hits
+
+    @staticmethod
+    def backward(ctx, grad_losses, _grad_hits):
+        weight, residual = ctx.saved_tensors
+        grad_hidden = None
+        if ctx.needs_input_grad[0]:
+            with torch.autocast(device_type=residual.device.type, enabled=False):
+                product = (residual @ weight.to(ctx.compute_dtype)).float()
+                grad_hidden = (product * grad_losses.float()[:, None]).to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None, None, None
