@@ -6,6 +6,9 @@ inside each held-out response the drafter drafts its block, and a block's accept
 is how many of its drafts in a row equal the response. The responses are the target's
 greedy output, so this is greedy acceptance exactly; averaged over anchors it is the tau of
 a chain at the trained block size (anchors taken uniformly, not where a decode would stop).
+A second score, sampled_tau, is the expected accepted length under temperature-1
+verification along the same responses. --rescore scores a finished run again without
+training.
 
     .venv/bin/python benchmarks/recipe_sweep.py --name gamma3 --cache runs/smollm2-data/responses.jsonl \
         --target-layers 1,15,29 --gamma 3
@@ -49,10 +52,15 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default="runs/recipe-sweep")
     parser.add_argument("--results", default="runs/recipe-sweep/results.jsonl")
+    parser.add_argument("--rescore", action="store_true",
+                        help="score the finished run NAME again (its draft/ and train_config.json) without training")
     args = parser.parse_args()
 
     target = load_target(args.target, dtype="float32")
     held_out, training = split(args.cache, args.held_out)
+    if args.rescore:
+        rescore(args, target, held_out, training)
+        return
     config = TrainConfig(
         out=f"{args.out}/{args.name}", num_layers=args.num_layers, intermediate_size=args.intermediate_size,
         target_layer_ids=args.target_layers, gamma=args.gamma, random_anchors=not args.fixed_blocks,
@@ -64,14 +72,27 @@ def main() -> None:
     trainer = Trainer(config, target, training)
     trainer.run()
     seconds = time.perf_counter() - started
-    tau, by_position = held_out_acceptance(trainer, target, held_out, args.anchors_scored, args.block_size)
+    scores = held_out_acceptance(trainer, target, held_out, args.anchors_scored, args.block_size)
     losses = trainer.state.losses
-    result = {"name": args.name, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "results")},
-              "train_seconds": round(seconds), "loss_last_50": sum(losses[-50:]) / len(losses[-50:]),
-              "held_out_tau": round(tau, 3), "accepted_given_reached": [round(p, 3) for p in by_position[:4]]}
+    record({"name": args.name, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "results")},
+            "train_seconds": round(seconds), "loss_last_50": sum(losses[-50:]) / len(losses[-50:]), **scores},
+           args.results)
+
+
+def rescore(args, target, held_out, training):
+    """Score a finished run's drafter again (e.g. after a new score was added) on the same held-out draw."""
+    run = Path(args.out) / args.name
+    settings = json.loads((run / "train_config.json").read_text())
+    config = TrainConfig(**{**settings, "init_from": str(run / "draft"), "progress": False})
+    trainer = Trainer(config, target, training)
+    scores = held_out_acceptance(trainer, target, held_out, args.anchors_scored, config.block_size)
+    record({"name": args.name, "rescored": True, **scores}, args.results)
+
+
+def record(result, path):
     print(json.dumps(result))
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.results, "a") as results:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as results:
         results.write(json.dumps(result) + "\n")
 
 
@@ -90,10 +111,17 @@ def split(caches, count):
 
 @torch.no_grad()
 def held_out_acceptance(trainer, target, samples, anchors, block_size):
-    """Mean accepted drafts + 1 over random anchors, and P(draft k accepted | k reached)."""
+    """Greedy: mean accepted drafts + 1 over random anchors, and P(draft k accepted | k reached).
+
+    Sampled (temperature 1): draft k is accepted with probability sum_x min(p_k(x), q_k(x)) =
+    1 - TV(p_k, q_k), p the target's and q the drafter's distribution; the expected length is
+    1 + sum_k prod_{j<=k} (1 - TV_j). Both distributions are taken along the greedy response
+    (teacher-forced), not along sampled text: a comparison of drafters, not a decode's tau.
+    """
     model = trainer.model.eval()
     generator = torch.Generator().manual_seed(123)
     lengths, reached, accepted = [], torch.zeros(block_size - 1), torch.zeros(block_size - 1)
+    sampled_lengths = []
     for start in range(0, len(samples), 4):
         batch = samples[start:start + 4]
         ids, loss_mask, seq_lengths = pad_batch(batch)
@@ -105,8 +133,10 @@ def held_out_acceptance(trainer, target, samples, anchors, block_size):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = model(embeddings, blocks.block_positions, features, blocks.context_positions,
                            attention_mask=blocks.attention_mask)
-        drafts = target.model.get_output_embeddings()(hidden.float()).argmax(-1)
+        draft_logits = target.model.get_output_embeddings()(hidden.float())
+        drafts = draft_logits.argmax(-1)
         shape = (len(batch), anchors, block_size)
+        sampled_lengths += sampled_chain_lengths(target, ids, blocks, draft_logits, shape)
         hits = ((drafts == blocks.labels) & (blocks.weights > 0)).view(shape)[..., 1:].flatten(0, 1)
         valid = (blocks.weights > 0).view(shape)[..., 1:].flatten(0, 1)
         used = valid[:, 0]  # the others are unused anchor slots
@@ -115,7 +145,23 @@ def held_out_acceptance(trainer, target, samples, anchors, block_size):
         reached += (valid[used] & before.bool()).sum(0)
         accepted += streak.sum(0)
         lengths += (streak.sum(-1) + 1).tolist()
-    return sum(lengths) / len(lengths), (accepted / reached.clamp_min(1)).tolist()
+    by_position = (accepted / reached.clamp_min(1)).tolist()
+    return {"held_out_tau": round(sum(lengths) / len(lengths), 3),
+            "accepted_given_reached": [round(p, 3) for p in by_position[:4]],
+            "sampled_tau": round(sum(sampled_lengths) / len(sampled_lengths), 3)}
+
+
+def sampled_chain_lengths(target, ids, blocks, draft_logits, shape):
+    """Expected accepted length + 1 of each used anchor's block under temperature-1 verification."""
+    target_logits = target.model(input_ids=ids).logits  # position t predicts token t+1
+    rows = torch.arange(ids.shape[0])[:, None].expand_as(blocks.block_positions)
+    sources = (blocks.block_positions - 1).clamp(0, ids.shape[1] - 1)  # slots past the end are masked below
+    target_probs = target_logits[rows, sources].softmax(-1)
+    overlap = torch.minimum(target_probs, draft_logits.softmax(-1)).sum(-1)  # 1 - TV per block slot
+    valid = (blocks.weights > 0).view(shape)[..., 1:].flatten(0, 1)
+    overlap = overlap.view(shape)[..., 1:].flatten(0, 1) * valid
+    used = valid[:, 0]
+    return (overlap[used].cumprod(-1).sum(-1) + 1).tolist()
 
 
 if __name__ == "__main__":
