@@ -75,6 +75,18 @@ def _describe_mismatch(mismatch) -> str:
     return str(mismatch)
 
 
+def _process_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _give_default_mode(path: str | Path, base: int) -> None:
+    """tempfile makes owner-only staging files and directories; what lands gets the mode any
+    ordinary file or directory of this process would get, so others can still read checkpoints."""
+    os.chmod(path, base & ~_process_umask())
+
+
 def write_file_atomically(path: str | Path, write_fn) -> Path:
     """Run ``write_fn(tmp_path)`` then move the file into place: readers see the old file or the new one."""
     path = Path(path)
@@ -82,6 +94,7 @@ def write_file_atomically(path: str | Path, write_fn) -> Path:
     os.close(handle)
     try:
         write_fn(staging)
+        _give_default_mode(staging, 0o666)
         os.replace(staging, path)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
@@ -100,6 +113,7 @@ def save_atomically(save_fn, directory: str | Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         save_fn(staging)
+        _give_default_mode(staging, 0o777)
         if directory.exists():
             retired = directory.with_name(f".{directory.name}.old")
             shutil.rmtree(retired, ignore_errors=True)
