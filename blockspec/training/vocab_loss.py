@@ -24,10 +24,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     products run in the autocast dtype when autocast is on (else in ``hidden``'s dtype); the
     softmax is always float32. Gradients flow to ``hidden`` and, if it requires them, ``weight``.
     """
-    device_type = hidden.device.type
-    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-        else hidden.dtype
-    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, compute_dtype)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, _compute_dtype(hidden))
 
 
 def head_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.LongTensor):
@@ -46,11 +43,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_rows, compute_dtype):
-        head = weight.to(compute_dtype)
-        rows = hidden.shape[0]
-        losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        hits = torch.empty(rows, dtype=torch.bool, device=hidden.device)
-        probs = torch.empty((rows, weight.shape[0]), dtype=compute_dtype, device=hidden.device)
+        head, rows = weight.to(compute_dtype), hidden.shape[0]
+        losses, hits, probs = _outputs(hidden, weight, compute_dtype)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for chunk in _chunks(rows, chunk_rows):
                 logits = (hidden[chunk].to(compute_dtype) @ head.T).float()
@@ -82,6 +76,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+def _outputs(hidden, weight, compute_dtype):
+    """Per-row losses (float32) and hits, and the [rows, vocabulary] buffer the backward pass reads."""
+    rows, device = hidden.shape[0], hidden.device
+    return (torch.empty(rows, dtype=torch.float32, device=device), torch.empty(rows, dtype=torch.bool, device=device),
+            torch.empty((rows, weight.shape[0]), dtype=compute_dtype, device=device))
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on, else the hidden states' own."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+
+
 def _chunks(rows: int, size: int):
     for start in range(0, rows, size):
         yield slice(start, min(rows, start + size))
@@ -96,11 +103,8 @@ def linear_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teache
     Equal to ``linear_cross_entropy`` when the teacher is one-hot on the label; it differs from the
     KL divergence by the teacher's entropy, a constant. Gradients flow to ``hidden`` only.
     """
-    device_type = hidden.device.type
-    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-        else hidden.dtype
     return _LinearSoftCrossEntropy.apply(hidden, weight.detach(), teacher_hidden.detach(), labels, chunk_rows,
-                                        compute_dtype)
+                                        _compute_dtype(hidden))
 
 
 class _LinearSoftCrossEntropy(torch.autograd.Function):
@@ -108,11 +112,8 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher_hidden, labels, chunk_rows, compute_dtype):
-        head = weight.to(compute_dtype)
-        rows = hidden.shape[0]
-        losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        hits = torch.empty(rows, dtype=torch.bool, device=hidden.device)
-        residual = torch.empty((rows, weight.shape[0]), dtype=compute_dtype, device=hidden.device)
+        head, rows = weight.to(compute_dtype), hidden.shape[0]
+        losses, hits, residual = _outputs(hidden, weight, compute_dtype)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for chunk in _chunks(rows, chunk_rows):
                 log_student = (hidden[chunk].to(compute_dtype) @ head.T).float().log_softmax(dim=-1)
