@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import platformdirs
 
 from blockspec import __version__
 from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import save_atomically
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 MARKER_FILE = "blockspec_model.json"
@@ -210,17 +210,12 @@ def prepare(name: str, *, force: bool = False, progress: bool = True) -> Path:
 def _build(model: KnownModel, target: Path, *, progress: bool) -> None:
     download_dir = home_dir() / "downloads" / model.name
     gguf_path = _obtain_gguf(model, download_dir, progress=progress)
-    staging = Path(tempfile.mkdtemp(prefix=f".{model.name}.tmp-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-    try:
+
+    def convert(staging: Path) -> None:
         _say(progress, f"converting {model.gguf_file} to a dense checkpoint (takes a while)")
-        details = convert_gguf(gguf_path, staging, progress=progress)
-        _write_marker(staging, model, details)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _write_marker(staging, model, convert_gguf(gguf_path, staging, progress=progress))
+
+    save_atomically(convert, target)  # lands with the ordinary directory mode: the cache is meant to be shared
     shutil.rmtree(download_dir, ignore_errors=True)
     _say(progress, f"prepared {model.name} in {target}")
 
