@@ -149,6 +149,10 @@ def add_train_draft_command(commands) -> None:
     draft.add_argument("--init-from", default=None, metavar="DIR",
                        help="start from this drafter's weights (same architecture) with a fresh optimizer and "
                             "learning-rate schedule, e.g. to continue a finished run on more data")
+    draft.add_argument("--grow-layers", action="store_true",
+                       help="dflash, with --init-from: that drafter may have fewer layers than --num-layers; its "
+                            "layers keep their weights and the new last ones start as identities (zero output "
+                            "projections), so training starts from its drafts with more capacity")
     draft.add_argument("--ttt-steps", type=int, default=4,
                        help="eagle3/mtp: recursion steps unrolled in training (training-time test)")
     draft.add_argument("--step-decay", type=float, default=None,

@@ -1,6 +1,7 @@
 """The DFlash trainer: anchors and masks, learning, exact resume, safe checkpoints, DDP."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -269,6 +270,48 @@ def test_init_from_refuses_another_architecture(learned_target, training_data, t
                 target, samples)
     with pytest.raises(BlockspecError, match="no such directory"):
         Trainer(small_config(tmp_path / "x", init_from=str(tmp_path / "nowhere")), target, samples)
+
+
+def test_grow_layers_starts_from_the_shallower_drafters_drafts_and_trains_the_new_layers(
+        learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    layers = dict(target_layer_ids=[0, 1])
+    shallow = Trainer(small_config(tmp_path / "one", max_steps=20, **layers), target, samples)
+    shallow.run()
+    grown = Trainer(small_config(tmp_path / "three", num_layers=3, max_steps=6, grow_layers=True,
+                                 init_from=str(tmp_path / "one" / "draft"), **layers), target, samples)
+    torch.manual_seed(3)
+    hidden = target.model.config.hidden_size
+    block, features = torch.randn(2, 8, hidden), torch.randn(2, 5, 2 * hidden)
+    block_positions, context_positions = torch.arange(5, 13).expand(2, 8), torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        expected = shallow.model.eval()(block, block_positions, features, context_positions)
+        before = grown.model.eval()(block, block_positions, features, context_positions)
+    torch.testing.assert_close(before, expected, rtol=0, atol=0)
+    for name, tensor in shallow.model.state_dict().items():
+        assert torch.equal(grown.model.state_dict()[name], tensor), name
+    losses = grown.run().losses
+    assert all(math.isfinite(loss) for loss in losses)
+    for layer in grown.model.layers[1:]:
+        assert layer.self_attn.o_proj.weight.abs().sum() > 0 and layer.mlp.down_proj.weight.abs().sum() > 0
+    reloaded = load_dflash_model(tmp_path / "three" / "draft")
+    assert len(reloaded.layers) == 3
+
+
+def test_grow_layers_is_refused_without_a_shallower_dflash_drafter(learned_target, training_data, tmp_path):
+    from blockspec.errors import BlockspecError
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    Trainer(small_config(tmp_path / "two", num_layers=2, max_steps=2), target, samples).run()
+    with pytest.raises(BlockspecError, match="has 2 draft layers; --grow-layers needs fewer"):
+        Trainer(small_config(tmp_path / "x", num_layers=2, grow_layers=True, init_from=str(tmp_path / "two" / "draft")),
+                target, samples)
+    with pytest.raises(BlockspecError, match="add --init-from"):
+        small_config(tmp_path / "y", grow_layers=True)
+    with pytest.raises(BlockspecError, match="add --init-from"):
+        small_config(tmp_path / "z", method="eagle3", grow_layers=True, init_from=str(tmp_path / "two" / "draft"))
 
 
 def test_ctrl_c_saves_a_checkpoint(learned_target, training_data, tmp_path, monkeypatch):

@@ -51,6 +51,8 @@ class TrainConfig:
     #: start from this drafter's weights (same architecture) with a fresh optimizer and schedule,
     #: e.g. to continue a finished run on more data; --resume takes precedence once a checkpoint exists
     init_from: str | None = None
+    #: dflash, with init_from: that drafter may have fewer layers; new ones are appended as identities
+    grow_layers: bool = False
     # eagle3 / mtp: unrolled steps, loss decay per step (None: the method's default), draft vocabulary
     ttt_steps: int = 4
     step_decay: float | None = None
@@ -101,6 +103,9 @@ class TrainConfig:
                                  "--feature-cache and --no-feature-cache")
         if self.soft_labels and self.method != "dflash":
             raise BlockspecError(f"--soft-labels is a dflash switch; method {self.method!r} does not take it")
+        if self.grow_layers and (self.method != "dflash" or not self.init_from):
+            raise BlockspecError("--grow-layers grows a dflash drafter given with --init-from: add --init-from DIR "
+                                 "(and train --method dflash)")
         if self.precision not in PRECISIONS:
             raise BlockspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
@@ -398,6 +403,8 @@ class Trainer:
             raise BlockspecError(f"--init-from {directory}: no such directory (give a drafter saved by train-draft)")
         loaded = self.method.load(directory)
         weights = loaded.state_dict()
+        if self.config.grow_layers:
+            weights = grown_weights(self.model, weights, f"--init-from {directory}")
         problems = describe_state_mismatch(self.model.state_dict(), weights)
         for name in ("block_size", "mask_token_id", "target_layer_ids"):
             mine, theirs = getattr(self.model, name, None), getattr(loaded, name, None)
@@ -438,6 +445,27 @@ def latest_checkpoint(out: str | Path) -> Path | None:
         return None
     directory = pointer.parent / pointer.read_text().strip()
     return directory if directory.is_dir() else None
+
+
+def grown_weights(model, weights: dict, source: str) -> dict:
+    """A state dict for ``model`` made of a shallower drafter's ``weights`` plus new last layers.
+
+    The new layers start as identities: their attention and MLP output projections are zero, so
+    the residual stream, and hence every draft, is the shallower drafter's until training moves
+    them (their other weights keep the fresh random init, which gets gradients once the output
+    projections are non-zero).
+    """
+    have = len({key.split(".")[1] for key in weights if key.startswith("layers.")})
+    want = len(model.layers)
+    if have >= want:
+        raise BlockspecError(f"{source} has {have} draft layers; --grow-layers needs fewer than the "
+                             f"--num-layers {want} of this run")
+    grown = dict(weights)
+    for key, tensor in model.state_dict().items():
+        if key.startswith("layers.") and int(key.split(".")[1]) >= have:
+            output = key.endswith(("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"))
+            grown[key] = torch.zeros_like(tensor) if output else tensor.clone()
+    return grown
 
 
 def describe_state_mismatch(expected: dict, given: dict) -> list[str]:
