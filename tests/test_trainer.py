@@ -310,7 +310,7 @@ def test_grow_layers_is_refused_without_a_shallower_dflash_drafter(learned_targe
                 target, samples)
     with pytest.raises(BlockspecError, match="add --init-from"):
         small_config(tmp_path / "y", grow_layers=True)
-    with pytest.raises(BlockspecError, match="add --init-from"):
+    with pytest.raises(BlockspecError, match="--grow-layers is a dflash switch; method 'eagle3'"):
         small_config(tmp_path / "z", method="eagle3", grow_layers=True, init_from=str(tmp_path / "two" / "draft"))
 
 

@@ -103,9 +103,10 @@ class TrainConfig:
                                  "--feature-cache and --no-feature-cache")
         if self.soft_labels and self.method != "dflash":
             raise BlockspecError(f"--soft-labels is a dflash switch; method {self.method!r} does not take it")
-        if self.grow_layers and (self.method != "dflash" or not self.init_from):
-            raise BlockspecError("--grow-layers grows a dflash drafter given with --init-from: add --init-from DIR "
-                                 "(and train --method dflash)")
+        if self.grow_layers and self.method != "dflash":
+            raise BlockspecError(f"--grow-layers is a dflash switch; method {self.method!r} does not take it")
+        if self.grow_layers and not self.init_from:
+            raise BlockspecError("--grow-layers grows a saved drafter: add --init-from DIR")
         if self.precision not in PRECISIONS:
             raise BlockspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
