@@ -136,10 +136,10 @@ def held_out_acceptance(trainer, target, samples, anchors, block_size):
         draft_logits = target.model.get_output_embeddings()(hidden.float())
         drafts = draft_logits.argmax(-1)
         shape = (len(batch), anchors, block_size)
-        sampled_lengths += sampled_chain_lengths(target, ids, blocks, draft_logits, shape)
         hits = ((drafts == blocks.labels) & (blocks.weights > 0)).view(shape)[..., 1:].flatten(0, 1)
         valid = (blocks.weights > 0).view(shape)[..., 1:].flatten(0, 1)
         used = valid[:, 0]  # the others are unused anchor slots
+        sampled_lengths += sampled_chain_lengths(target, ids, blocks, draft_logits, shape, valid, used)
         streak = hits[used].int().cumprod(-1)  # 1 while every draft so far was accepted
         before = torch.cat([torch.ones_like(streak[:, :1]), streak[:, :-1]], dim=-1)
         reached += (valid[used] & before.bool()).sum(0)
@@ -151,16 +151,17 @@ def held_out_acceptance(trainer, target, samples, anchors, block_size):
             "sampled_tau": round(sum(sampled_lengths) / len(sampled_lengths), 3)}
 
 
-def sampled_chain_lengths(target, ids, blocks, draft_logits, shape):
-    """Expected accepted length + 1 of each used anchor's block under temperature-1 verification."""
+def sampled_chain_lengths(target, ids, blocks, draft_logits, shape, valid, used):
+    """Expected accepted length + 1 of each used anchor's block under temperature-1 verification.
+
+    ``valid``: [anchor slots, block_size - 1], which drafts have a label; ``used``: which slots hold a block.
+    """
     target_logits = target.model(input_ids=ids).logits  # position t predicts token t+1
     rows = torch.arange(ids.shape[0])[:, None].expand_as(blocks.block_positions)
     sources = (blocks.block_positions - 1).clamp(0, ids.shape[1] - 1)  # slots past the end are masked below
     target_probs = target_logits[rows, sources].softmax(-1)
     overlap = torch.minimum(target_probs, draft_logits.softmax(-1)).sum(-1)  # 1 - TV per block slot
-    valid = (blocks.weights > 0).view(shape)[..., 1:].flatten(0, 1)
     overlap = overlap.view(shape)[..., 1:].flatten(0, 1) * valid
-    used = valid[:, 0]
     return (overlap[used].cumprod(-1).sum(-1) + 1).tolist()
 
 
