@@ -461,6 +461,48 @@ def test_features_are_kept_in_bf16_under_bf16_autocast_and_come_back_as_float32(
     assert kept == {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def test_the_memory_of_the_kept_features_is_known_before_the_run(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    one_epoch = math.ceil(len(samples) / 4)  # every sequence drawn once, so every one kept
+    trainer = Trainer(small_config(tmp_path / "run", max_steps=one_epoch, save_every=0), target, samples)
+    expected = trainer.kept_feature_bytes()
+    trainer.run()
+    kept = sum(t.numel() * t.element_size() for t in trainer.features.kept.values())
+    assert len(trainer.features.kept) == len(samples) and kept == expected
+    hidden = target.model.config.hidden_size
+    assert expected == sum(s.input_ids.numel() for s in samples) * len(trainer.features.layer_ids) * hidden * 4
+    one_step = Trainer(small_config(tmp_path / "short", max_steps=1, save_every=0), target, samples)
+    per_token = one_step.features.bytes_per_token
+    assert one_step.kept_feature_bytes() == pytest.approx(expected * 4 / len(samples), abs=per_token)
+    for elsewhere in (dict(feature_cache_dir=str(tmp_path / "features")), dict(cache_features=False)):
+        assert Trainer(small_config(tmp_path / "x", **elsewhere), target, samples).kept_feature_bytes() == 0
+
+
+def test_kept_features_that_would_not_fit_in_memory_are_refused_at_the_start(learned_target, training_data,
+                                                                             tmp_path, monkeypatch):
+    import collections
+
+    from blockspec.errors import BlockspecError
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    needed = Trainer(small_config(tmp_path / "probe"), target, samples).kept_feature_bytes()
+    memory = collections.namedtuple("memory", "available")
+    monkeypatch.setattr("psutil.virtual_memory", lambda: memory(available=needed))  # no room for the steps
+    with pytest.raises(BlockspecError, match=r"features in memory would take .* pass --feature-cache DIR .*"
+                                             r"or --no-feature-cache"):
+        Trainer(small_config(tmp_path / "run"), target, samples)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two DDP ranks on one machine keep twice as much
+    monkeypatch.setattr("psutil.virtual_memory", lambda: memory(available=2 * needed))
+    with pytest.raises(BlockspecError, match="features in memory"):
+        Trainer(small_config(tmp_path / "ddp"), target, samples)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    Trainer(small_config(tmp_path / "fits"), target, samples)
+    Trainer(small_config(tmp_path / "disk", feature_cache_dir=str(tmp_path / "features")), target, samples)
+    Trainer(small_config(tmp_path / "recompute", cache_features=False), target, samples)
+
+
 def _samples_seen(trainer) -> set[int]:
     return {i for step in range(trainer.total_steps) for i in trainer._batch_indices(step, 0)}
 

@@ -102,6 +102,9 @@ def train_draft(target_name: str, data: DataConfig, config: TrainConfig, *, resu
     samples, eval_prompts = prepare_samples(target, data, out, config.max_length, rank)
     _say(rank, f"{len(samples)} training sequences, {sum(s.num_response_tokens for s in samples)} response tokens")
     trainer = Trainer(config, target, samples, eval_prompts, resume=resume)
+    if kept := trainer.kept_feature_bytes():
+        _say(rank, f"target features kept in memory: about {kept / 2**30:.1f} GiB by the end "
+                   "(--feature-cache DIR keeps them on disk)")
     trainer.run()
     if trainer.features is not None and trainer.features.store is not None:
         _say(rank, trainer.features.store.summary())

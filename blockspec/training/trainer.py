@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -34,6 +35,9 @@ from blockspec.training.feature_store import FeatureStore, target_fingerprint
 from blockspec.training.methods import TRAINABLE_METHODS, Batch, training_method
 
 STATE_FILE = "trainer_state.pt"
+#: the share of the memory available at the start that target features kept in memory may fill
+#: (the rest is the steps' own working memory)
+FEATURE_MEMORY_SHARE = 0.8
 PRECISIONS = ("auto", "fp32", "bf16")
 LATEST_FILE = "latest"
 
@@ -163,6 +167,15 @@ class FeatureSource:
         self.store = store
         self.kept: dict[int, torch.Tensor] = {}
 
+    @property
+    def in_memory(self) -> bool:
+        return self.keep and self.store is None
+
+    @property
+    def bytes_per_token(self) -> int:
+        hidden = self.model.get_input_embeddings().weight.shape[1]
+        return len(self.layer_ids) * hidden * torch.empty((), dtype=self.keep_dtype).element_size()
+
     @torch.no_grad()
     def __call__(self, indices: list[int], input_ids: torch.LongTensor, lengths: torch.LongTensor) -> torch.Tensor:
         tokens = [input_ids[row, : int(lengths[row])] for row in range(len(indices))]
@@ -242,6 +255,7 @@ class Trainer:
             self.optimizer, cosine_with_warmup(self.total_steps, config.warmup_ratio))
         if resuming:
             self._load_latest()
+        self._check_memory_for_kept_features()
         self.ddp_model = self._wrap_for_ddp()
 
     # --- set-up -------------------------------------------------------------------------
@@ -252,6 +266,30 @@ class Trainer:
             fingerprint = target_fingerprint(self.target.model, layers, keep_dtype)
             store = FeatureStore(self.config.feature_cache_dir, fingerprint)
         return FeatureSource(self.target.model, layers, self.config.cache_features, keep_dtype, store)
+
+    def kept_feature_bytes(self) -> int:
+        """About how many bytes of target features this process keeps in memory by the end of the run.
+
+        Every sequence drawn is kept; the draws left are counted from the current step (a resumed
+        run starts with none kept) at the mean sequence length. 0 when features are not kept in memory.
+        """
+        if self.features is None or not self.features.in_memory:
+            return 0
+        draws = (self.total_steps - self.state.step) * self.config.batch_size * self.config.grad_accum
+        tokens = sum(sample.input_ids.numel() for sample in self.samples)
+        sequences = min(len(self.samples), draws)
+        return round(tokens * sequences / len(self.samples)) * self.features.bytes_per_token
+
+    def _check_memory_for_kept_features(self) -> None:
+        """Refuse at the start a run whose kept features would run the machine out of memory hours later."""
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # DDP ranks on this machine each keep their own
+        needed = self.kept_feature_bytes() * processes
+        available = psutil.virtual_memory().available
+        if needed > FEATURE_MEMORY_SHARE * available:
+            raise BlockspecError(
+                f"keeping the target's features in memory would take about {needed / 2**30:.1f} GiB by the end of "
+                f"this run, more than this machine can spare ({available / 2**30:.1f} GiB available): pass "
+                f"--feature-cache DIR to keep them on disk, or --no-feature-cache to recompute them every step")
 
     def _wrap_for_ddp(self):
         if self.world == 1:
