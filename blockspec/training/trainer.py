@@ -22,7 +22,6 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -32,6 +31,7 @@ from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import save_atomically, write_text_atomically
 from blockspec.training.anchors import default_gamma
 from blockspec.training.feature_store import FeatureStore, target_fingerprint
+from blockspec.training.memory import available_memory
 from blockspec.training.methods import TRAINABLE_METHODS, Batch, training_method
 
 STATE_FILE = "trainer_state.pt"
@@ -284,11 +284,11 @@ class Trainer:
         """Refuse at the start a run whose kept features would run the machine out of memory hours later."""
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # DDP ranks on this machine each keep their own
         needed = self.kept_feature_bytes() * processes
-        available = psutil.virtual_memory().available
+        available = available_memory()
         if needed > FEATURE_MEMORY_SHARE * available:
             raise BlockspecError(
                 f"keeping the target's features in memory would take about {needed / 2**30:.1f} GiB by the end of "
-                f"this run, more than this machine can spare ({available / 2**30:.1f} GiB available): pass "
+                f"this run, more than this machine can spare ({available / 2**30:.1f} GiB available here): pass "
                 f"--feature-cache DIR to keep them on disk, or --no-feature-cache to recompute them every step")
 
     def _wrap_for_ddp(self):
