@@ -174,7 +174,7 @@ class FeatureSource:
     @property
     def bytes_per_token(self) -> int:
         hidden = self.model.get_input_embeddings().weight.shape[1]
-        return len(self.layer_ids) * hidden * torch.empty((), dtype=self.keep_dtype).element_size()
+        return len(self.layer_ids) * hidden * self.keep_dtype.itemsize
 
     @torch.no_grad()
     def __call__(self, indices: list[int], input_ids: torch.LongTensor, lengths: torch.LongTensor) -> torch.Tensor:
