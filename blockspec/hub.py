@@ -36,7 +36,7 @@ import platformdirs
 
 from blockspec import __version__
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import save_atomically
+from blockspec.io import save_atomically
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 MARKER_FILE = "blockspec_model.json"

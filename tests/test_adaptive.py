@@ -17,7 +17,7 @@ import blockspec.decoding.generate as generate_module
 from blockspec.cli import main
 from blockspec.decoding.adaptive import AcceptanceCalibrator, AdaptiveWidth, CostModel, cost_model_for
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter
 from blockspec.drafters.recursive import RecursiveDrafter
 from blockspec.errors import BlockspecError

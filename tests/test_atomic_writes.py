@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from blockspec.models.checkpoint import save_atomically, write_file_atomically, write_text_atomically
+from blockspec.io import save_atomically, write_file_atomically, write_text_atomically
 
 
 @pytest.fixture

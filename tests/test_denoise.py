@@ -12,7 +12,7 @@ from tiny_models import make_causal_lm
 from blockspec.bench.methods import MethodName, build_methods, parse_method_name
 from blockspec.cli import main
 from blockspec.decoding.generate import GenerationConfig, positions, speculative_generate
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.errors import BlockspecError
 from blockspec.models import build_drafter
 from blockspec.models.dflash import DFlashDrafter, denoise_schedule

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.dllm.generate import DiffusionConfig, candidate_tokens, diffusion_generate
 from blockspec.dllm.model import BLOCK_CAUSAL, HFDiffusionModel
 from blockspec.dllm.schedule import Scheduler, linear_counts, select_positions, token_scores

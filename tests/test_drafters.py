@@ -12,7 +12,7 @@ from tiny_models import make_causal_lm, make_tokenizer, save_tiny_target
 
 from blockspec.cli import main
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter, check_compatible
 from blockspec.errors import BlockspecError, IncompatibleDraftError
 from blockspec.models import build_drafter, detect_method

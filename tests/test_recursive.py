@@ -11,7 +11,7 @@ from test_sampling import (PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exac
 from tiny_models import make_causal_lm
 
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.drafters.recursive import RecursiveDrafter
 from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.models import build_drafter, detect_method

@@ -10,7 +10,7 @@ from tiny_models import make_causal_lm
 
 import blockspec.decoding.verifier as verify_module
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.decoding.sampling import SamplingConfig, sample_from, sampling_probs
+from blockspec.sampling import SamplingConfig, sample_from, sampling_probs
 from blockspec.decoding.verifier import verify
 from blockspec.models.dflash import DFlashDrafter
 

@@ -9,7 +9,7 @@ from tiny_models import make_causal_lm
 
 import test_sampling
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.decoding.tree import Tree, build_tree, tree_attention_mask, tree_position_ids, verify_tree
 from blockspec.errors import BlockspecError
 from blockspec.models.dflash import DFlashDrafter

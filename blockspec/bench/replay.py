@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.decoding.tree import DEFAULT_TREE_TOP_K, build_tree
 from blockspec.errors import BlockspecError
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from blockspec.decoding.generate import acceptance_by_position
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import write_text_atomically
+from blockspec.io import write_text_atomically
 
 BASELINES = ("ar", "hf")
 

@@ -2,7 +2,7 @@
 
 from blockspec.decoding.drafter import Drafter, Proposal
 from blockspec.decoding.generate import GenerationConfig, GenerationStats, Step, TokenStream, speculative_generate
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 from blockspec.decoding.verifier import Verdict, verify
 
 __all__ = ["Drafter", "GenerationConfig", "GenerationStats", "Proposal", "SamplingConfig", "Step",

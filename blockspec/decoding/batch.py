@@ -33,7 +33,7 @@ from blockspec.decoding.adaptive import AUTO
 from blockspec.decoding.drafter import Drafter, Proposal
 from blockspec.decoding.generate import (GenerationConfig, GenerationStats, Step, _as_batch_of_one, _fit_to_context,
                                          record_step, resolve_block_size, wall_clock)
-from blockspec.decoding.sampling import pick_tokens
+from blockspec.sampling import pick_tokens
 from blockspec.decoding.verifier import verify
 from blockspec.errors import BlockspecError
 

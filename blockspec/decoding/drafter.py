@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from blockspec.decoding.sampling import SamplingConfig
+from blockspec.sampling import SamplingConfig
 
 
 @dataclass

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from blockspec.decoding.adaptive import AUTO, AdaptiveWidth, check_block_size, cost_model_for
 from blockspec.decoding.drafter import Drafter, Proposal
-from blockspec.decoding.sampling import SamplingConfig, pick_tokens
+from blockspec.sampling import SamplingConfig, pick_tokens
 from blockspec.decoding.tree import (DEFAULT_TREE_TOP_K, build_tree, keep_path, tree_attention_mask,
                                      tree_position_ids, verify_tree)
 from blockspec.decoding.verifier import verify

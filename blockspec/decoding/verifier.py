@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.sampling import SamplingConfig, sample_from, sampling_probs
+from blockspec.sampling import SamplingConfig, sample_from, sampling_probs
 
 
 @dataclass(frozen=True)

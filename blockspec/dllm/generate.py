@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from blockspec.decoding.sampling import SamplingConfig, sampling_probs
+from blockspec.sampling import SamplingConfig, sampling_probs
 from blockspec.dllm.model import BIDIRECTIONAL, BLOCK_CAUSAL, answer_blocks, block_causal_mask
 from blockspec.dllm.schedule import Scheduler
 from blockspec.errors import BlockspecError

@@ -60,7 +60,8 @@ from blockspec.dllm.model import (
     diffusion_settings,
 )
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import load_pretrained_strict, save_atomically
+from blockspec.io import save_atomically
+from blockspec.models.checkpoint import load_pretrained_strict
 from blockspec.training.data import (
     TrainingSample,
     build_prompt_ids,

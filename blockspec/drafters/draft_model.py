@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from blockspec.decoding.drafter import Proposal
 from blockspec.decoding.generate import positions
-from blockspec.decoding.sampling import pick_draft
+from blockspec.sampling import pick_draft
 from blockspec.errors import BlockspecError, IncompatibleDraftError
 
 # Each draft token is one sequential forward of the draft model, so long chains cost

@@ -14,7 +14,7 @@ import torch
 
 from blockspec.decoding.drafter import Proposal
 from blockspec.decoding.generate import positions
-from blockspec.decoding.sampling import pick_draft
+from blockspec.sampling import pick_draft
 from blockspec.errors import IncompatibleDraftError
 from blockspec.models.recursive import RecursiveDraftModel
 

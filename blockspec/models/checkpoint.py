@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -73,56 +70,3 @@ def _describe_mismatch(mismatch) -> str:
         key, found, expected = mismatch
         return f"{key} is {tuple(found)}, expected {tuple(expected)}"
     return str(mismatch)
-
-
-def _process_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _give_default_mode(path: str | Path, base: int) -> None:
-    """tempfile makes owner-only staging files and directories; what lands gets the mode any
-    ordinary file or directory of this process would get, so others can still read checkpoints."""
-    os.chmod(path, base & ~_process_umask())
-
-
-def write_file_atomically(path: str | Path, write_fn) -> Path:
-    """Run ``write_fn(tmp_path)`` then move the file into place: readers see the old file or the new one."""
-    path = Path(path)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        write_fn(staging)
-        _give_default_mode(staging, 0o666)
-        os.replace(staging, path)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_text_atomically(path: str | Path, text: str) -> Path:
-    return write_file_atomically(path, lambda staging: Path(staging).write_text(text, encoding="utf-8"))
-
-
-def save_atomically(save_fn, directory: str | Path) -> Path:
-    """Run ``save_fn(tmp_dir)`` then move tmp_dir into place, so a crash never leaves half a checkpoint."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        save_fn(staging)
-        _give_default_mode(staging, 0o777)
-        if directory.exists():
-            retired = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(retired, ignore_errors=True)
-            os.replace(directory, retired)
-            os.replace(staging, directory)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return directory

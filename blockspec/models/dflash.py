@@ -28,15 +28,15 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from blockspec.decoding.drafter import Proposal
 from blockspec.decoding.generate import positions
-from blockspec.decoding.sampling import draft_confidence, sample_from, sampling_probs
+from blockspec.sampling import draft_confidence, sample_from, sampling_probs
 from blockspec.errors import BlockspecError, CheckpointError, IncompatibleDraftError
 from blockspec.models.checkpoint import (
     load_pretrained_strict,
     read_config,
     require_keys,
     require_weights,
-    save_atomically,
 )
+from blockspec.io import save_atomically
 
 DEFAULT_BLOCK_SIZE = 16
 

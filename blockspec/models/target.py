@@ -63,6 +63,16 @@ class Target:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 
 
+def layer_features(hidden_states, layer_ids) -> torch.Tensor:
+    """The outputs of target layers ``layer_ids`` (``hidden_states[i + 1]``), concatenated: [B, T, len * D]."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def position_ids(start: int, length: int, device) -> torch.LongTensor:
+    """Position ids [1, length] starting at ``start``."""
+    return torch.arange(start, start + length, device=device).unsqueeze(0)
+
+
 def copy_final_norm(norm, target_model) -> None:
     """Start a draft's final norm at the target's output norm (its hidden states meet the target's LM head)."""
     weight = getattr(getattr(target_model.base_model, "norm", None), "weight", None)

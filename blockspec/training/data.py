@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import write_text_atomically
+from blockspec.io import write_text_atomically
 
 # --------------------------------------------------------------------------------------
 # Prompts

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import write_file_atomically, write_text_atomically
+from blockspec.io import write_file_atomically, write_text_atomically
 
 FINGERPRINT_FILE = "features.json"
 TENSOR_NAME = "features"

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
 from blockspec.errors import BlockspecError
-from blockspec.models.checkpoint import save_atomically, write_text_atomically
+from blockspec.io import save_atomically, write_text_atomically
+from blockspec.models.target import layer_features
 from blockspec.training.anchors import default_gamma
 from blockspec.training.feature_store import FeatureStore, target_fingerprint
 from blockspec.training.memory import available_memory
@@ -183,7 +184,7 @@ class FeatureSource:
         missing = [row for row, features in enumerate(found) if features is None]
         if missing:
             out = self.model.base_model(input_ids=input_ids[missing].to(self.model.device), output_hidden_states=True)
-            features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1).float().cpu()
+            features = layer_features(out.hidden_states, self.layer_ids).float().cpu()
             for position, row in enumerate(missing):
                 # a copy, not a view pinning the whole batch
                 found[row] = features[position, : int(lengths[row])].to(self.keep_dtype).clone()
