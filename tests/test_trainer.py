@@ -13,10 +13,11 @@ import torch
 from tiny_models import make_tokenizer
 
 from blockspec.models.dflash import load_dflash_model
+from blockspec.models.tokens import pick_mask_token
 from blockspec.training import trainer as trainer_module
 from blockspec.training.anchors import build_blocks, loss_weights
 from blockspec.training.data import TrainingSample
-from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pad_batch, pick_mask_token
+from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pad_batch
 
 
 # --- anchors, labels, weights and the block-sparse mask ------------------------------------

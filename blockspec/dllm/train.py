@@ -62,6 +62,7 @@ from blockspec.dllm.model import (
 from blockspec.errors import BlockspecError
 from blockspec.io import save_atomically
 from blockspec.models.checkpoint import load_pretrained_strict
+from blockspec.models.tokens import pick_mask_token
 from blockspec.training.data import (
     TrainingSample,
     build_prompt_ids,
@@ -73,7 +74,6 @@ from blockspec.training.data import (
 from blockspec.training.trainer import (
     cosine_with_warmup,
     latest_checkpoint,
-    pick_mask_token,
     write_checkpoint,
 )
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockspec.errors import BlockspecError
+from blockspec.models.tokens import encode_prompt, has_chat_template, is_chat, stop_token_ids
 
 TESTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -33,34 +34,23 @@ class Target:
         return getattr(self.model.config, "max_position_embeddings", None)
 
     def stop_token_ids(self) -> tuple[int, ...]:
-        """End-of-sequence ids from the generation config and the tokenizer."""
-        ids: set[int] = set()
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+        """End-of-sequence ids from the generation config and the tokenizer.
+
+        The chat template's end-of-turn token is not added here: a chat model's generation
+        config names it (the hub's conversion writes it there).
+        """
+        return tuple(stop_token_ids(self.tokenizer, self.model.generation_config, end_of_turn=False))
 
     def encode_prompt(self, prompt, use_chat_template: bool = True) -> list[int]:
-        """Token ids of a prompt: a string, a list of chat messages, or ids already."""
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = self._apply_chat_template(list(prompt))
-        elif not isinstance(prompt, str):
-            raise BlockspecError(f"a prompt must be a string, chat messages or token ids, not {type(prompt).__name__}")
-        elif use_chat_template and self.tokenizer.chat_template:
-            ids = self._apply_chat_template([{"role": "user", "content": prompt}])
-        else:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        """Token ids of a prompt: a string, a list of chat messages (always through the chat
+        template), or ids already. An empty prompt is an error."""
+        chat = is_chat(prompt)
+        if chat and not has_chat_template(self.tokenizer):
+            raise BlockspecError(f"{self.name} has no chat template: pass plain text instead of chat messages")
+        ids = encode_prompt(self.tokenizer, prompt, use_chat_template=use_chat_template or chat)
         if not ids or (isinstance(prompt, str) and not prompt.strip()):
             raise BlockspecError("the prompt is empty: give some text to continue")
         return ids
-
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise BlockspecError(f"{self.name} has no chat template: pass plain text instead of chat messages")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 
 
 def layer_features(hidden_states, layer_ids) -> torch.Tensor:

@@ -81,7 +81,7 @@ class DFlashTraining:
     def build(self, config, target, samples):
         from blockspec.models.dflash import DFlashDraftModel, check_fits_target, make_dflash_config
         from blockspec.models.target import copy_final_norm
-        from blockspec.training.trainer import pick_mask_token
+        from blockspec.models.tokens import pick_mask_token
 
         target_model = target.model
         vocab = target_model.get_input_embeddings().weight.shape[0]

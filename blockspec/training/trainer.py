@@ -129,27 +129,6 @@ class TrainState:
     evals: list[dict] = field(default_factory=list)
 
 
-def pick_mask_token(tokenizer, vocab_size: int) -> int:
-    """A token whose frozen embedding serves as the mask.
-
-    A dedicated mask token when the tokenizer has one; else an added special token that
-    neither the chat template nor bos/eos/pad use.
-    """
-    for name in ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]"):
-        token_id = tokenizer.convert_tokens_to_ids(name)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and 0 <= token_id < vocab_size:
-            return token_id
-    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    template = tokenizer.chat_template or ""
-    candidates = [
-        token_id for token_id, token in sorted(tokenizer.added_tokens_decoder.items())
-        if token.special and token_id not in reserved and token.content not in template and token_id < vocab_size
-    ]
-    if not candidates:
-        raise BlockspecError("the tokenizer has no spare special token to use as the mask: pass --mask-token-id")
-    return candidates[-1]
-
-
 class FeatureSource:
     """Context features of the frozen target, computed once per sample and kept if asked.
 
