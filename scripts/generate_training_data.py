@@ -18,7 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from blockspec import hub
-from blockspec.training.data import generate_responses, load_prompts, read_cache
+from blockspec.training.prompts import load_prompts
+from blockspec.training.response_cache import read_cache
+from blockspec.training.responses import generate_responses
 
 COUNTS = {"gsm8k_train.jsonl": 900, "code_alpaca_2k.json": 450, "mbpp.jsonl": 150}
 

@@ -38,7 +38,7 @@ from blockspec.dllm.train import (
     training_blocks,
 )
 from blockspec.errors import BlockspecError
-from blockspec.training.data import TrainingSample
+from blockspec.training.samples import TrainingSample
 from blockspec.training.trainer import latest_checkpoint
 
 

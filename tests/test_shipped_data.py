@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from blockspec.training.data import MBPP_TEST_IDS
+from blockspec.training.prompts import MBPP_TEST_IDS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "datasets"

@@ -95,7 +95,7 @@ def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, train
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_response_tokens():
-    from blockspec.training.data import TrainingSample
+    from blockspec.training.samples import TrainingSample
 
     ids = torch.tensor([9, 9, 9, 5, 5, 7, 7, 7, 7, 3])
     mask = torch.tensor([True] * 3 + [False] * 2 + [True] * 5)

@@ -16,7 +16,7 @@ from blockspec.models.dflash import load_dflash_model
 from blockspec.models.tokens import pick_mask_token
 from blockspec.training import trainer as trainer_module
 from blockspec.training.anchors import build_blocks, loss_weights
-from blockspec.training.data import TrainingSample
+from blockspec.training.samples import TrainingSample
 from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pad_batch
 
 
@@ -415,8 +415,8 @@ def test_target_layers_parse_from_the_command_line():
 def test_several_response_caches_are_pooled(learned_target, tmp_path):
     """--responses cache with two files: their prompts train together, an id in both counts once."""
     from blockspec.errors import BlockspecError
-    from blockspec.training.data import read_cache
     from blockspec.training.pipeline import DataConfig, prepare_samples
+    from blockspec.training.response_cache import read_cache
 
     target, _, prompts = learned_target
     rows = [json.loads(line) for line in _first_cache(learned_target, tmp_path).read_text().splitlines()]

@@ -11,18 +11,11 @@ import torch
 from tiny_models import make_causal_lm, make_tokenizer
 
 from blockspec.errors import BlockspecError
-from blockspec.training.data import (
-    GSM8K_INSTRUCTION,
-    PromptRecord,
-    build_prompt_ids,
-    generate_responses,
-    load_prompts,
-    load_samples,
-    meta_path,
-    read_cache,
-    responses_from_data,
-    stop_token_ids,
-)
+from blockspec.models.tokens import encode_prompt, stop_token_ids
+from blockspec.training.prompts import GSM8K_INSTRUCTION, PromptRecord, load_prompts
+from blockspec.training.response_cache import meta_path, read_cache
+from blockspec.training.responses import generate_responses, responses_from_data
+from blockspec.training.samples import load_samples
 
 
 def write_jsonl(path, rows):
@@ -191,13 +184,13 @@ def test_no_usable_prompts_is_an_error(tmp_path):
 # ---------------------------------------------------------------------------- tokenization
 
 
-def test_build_prompt_ids(tokenizer):
+def test_encode_prompt(tokenizer):
     record = PromptRecord(id="x", messages=user("The quick brown fox."))
-    ids = build_prompt_ids(tokenizer, record)
+    ids = encode_prompt(tokenizer, record.messages)
     expected = tokenizer("<|im_start|>user\nThe quick brown fox.<|im_end|>\n<|im_start|>assistant\n",
                          add_special_tokens=False)["input_ids"]
     assert ids == expected and all(isinstance(t, int) for t in ids)
-    plain = build_prompt_ids(tokenizer, record, use_chat_template=False)
+    plain = encode_prompt(tokenizer, record.messages, use_chat_template=False)
     assert plain == tokenizer("The quick brown fox.")["input_ids"]
     assert stop_token_ids(tokenizer) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
@@ -209,7 +202,7 @@ def test_build_prompt_ids(tokenizer):
 def test_batched_generation_matches_one_at_a_time(tmp_path, tokenizer, arch):
     model = make_causal_lm(arch, vocab_size=len(tokenizer), seed=3)
     records = make_records(7)
-    lengths = {len(build_prompt_ids(tokenizer, r)) for r in records}
+    lengths = {len(encode_prompt(tokenizer, r.messages)) for r in records}
     assert len(lengths) > 2  # batches really pad
     alone = generate_responses(model, tokenizer, records, tmp_path / "alone.jsonl",
                                max_new_tokens=10, batch_size=1, progress=False)
@@ -220,7 +213,7 @@ def test_batched_generation_matches_one_at_a_time(tmp_path, tokenizer, arch):
     many = {r["id"]: r["response_ids"] for r in read_cache(tmp_path / "batched.jsonl")}
     assert one == many
     # and batch_size=1 is plain generate on the unpadded prompt
-    ids = torch.tensor([build_prompt_ids(tokenizer, records[3])])
+    ids = torch.tensor([encode_prompt(tokenizer, records[3].messages)])
     direct = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     assert one["p:3"] == direct[0, ids.shape[1]:].tolist()[: len(one["p:3"])]
@@ -250,7 +243,7 @@ def test_stop_token_ends_response(tmp_path, tokenizer, model):
 
 def test_too_long_prompts_skipped_and_counted(tmp_path, tokenizer, model):
     records = make_records(6)
-    lengths = [len(build_prompt_ids(tokenizer, r)) for r in records]
+    lengths = [len(encode_prompt(tokenizer, r.messages)) for r in records]
     limit = sorted(lengths)[3]
     report = generate_responses(model, tokenizer, records, tmp_path / "c.jsonl", max_new_tokens=4,
                                 max_prompt_tokens=limit, progress=False)
@@ -387,7 +380,7 @@ def test_responses_from_data(tmp_path, tokenizer):
     assert report.generated == 1 and report.skipped_empty == 1
     (row,) = read_cache(cache)
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert row["prompt_ids"] == build_prompt_ids(tokenizer, records[0])
+    assert row["prompt_ids"] == encode_prompt(tokenizer, records[0].messages)
     text_ids = tokenizer("jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
     assert row["response_ids"] == text_ids + [eot]
     assert row["finished"]

@@ -62,15 +62,10 @@ from blockspec.dllm.model import (
 from blockspec.errors import BlockspecError
 from blockspec.io import save_atomically
 from blockspec.models.checkpoint import load_pretrained_strict
-from blockspec.models.tokens import pick_mask_token
-from blockspec.training.data import (
-    TrainingSample,
-    build_prompt_ids,
-    end_of_turn_id,
-    has_chat_template,
-    load_prompts,
-    load_samples,
-)
+from blockspec.models.tokens import encode_prompt, pick_mask_token, response_end_id
+from blockspec.training.prompts import load_prompts
+from blockspec.training.responses import given_response_ids
+from blockspec.training.samples import TrainingSample, load_samples, make_sample
 from blockspec.training.trainer import (
     cosine_with_warmup,
     latest_checkpoint,
@@ -249,20 +244,16 @@ def _samples_from_prompt_file(path: Path, tokenizer, max_length: int) -> list[Tr
     """The rows' prompts as the chat template renders them, each followed by its response and
     the token that ends an assistant turn (as ``responses_from_data`` encodes them)."""
     records, _ = load_prompts([path], shuffle=False)
-    end_id = end_of_turn_id(tokenizer) if has_chat_template(tokenizer) else None
-    end_id = tokenizer.eos_token_id if end_id is None else end_id
+    end_id = response_end_id(tokenizer)
     samples = []
     for record in records:
         if not (record.response or "").strip():
             continue
-        prompt = build_prompt_ids(tokenizer, record)
-        response = tokenizer(record.response, add_special_tokens=False)["input_ids"]
-        ids = (prompt + response + ([end_id] if end_id is not None else []))[:max_length]
-        if len(ids) <= len(prompt):
-            continue
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(prompt):] = True
-        samples.append(TrainingSample(torch.tensor(ids, dtype=torch.long), mask, record.id))
+        prompt = encode_prompt(tokenizer, record.messages)
+        sample = make_sample(prompt, given_response_ids(tokenizer, record.response, end_id), record.id,
+                             max_length=max_length)
+        if sample is not None:
+            samples.append(sample)
     return samples
 
 

@@ -8,14 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockspec.errors import BlockspecError
-from blockspec.training.data import (
-    build_prompt_ids,
-    generate_responses,
-    load_prompts,
-    load_samples,
-    read_cache,
-    responses_from_data,
-)
+from blockspec.models.tokens import encode_prompt
+from blockspec.training.prompts import load_prompts
+from blockspec.training.response_cache import read_cache
+from blockspec.training.responses import generate_responses, responses_from_data
+from blockspec.training.samples import load_samples
 from blockspec.training.trainer import (
     TrainConfig,
     Trainer,
@@ -78,7 +75,8 @@ def prepare_samples(target, data: DataConfig, out: Path, max_length: int, rank: 
             if sample.id in wanted:
                 samples.append(sample)
                 wanted.discard(sample.id)
-    eval_prompts = [build_prompt_ids(target.tokenizer, r, use_chat_template=data.use_chat_template) for r in held_out]
+    eval_prompts = [encode_prompt(target.tokenizer, r.messages, use_chat_template=data.use_chat_template)
+                    for r in held_out]
     return samples, eval_prompts
 
 
