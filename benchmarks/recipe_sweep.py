@@ -25,8 +25,8 @@ import torch
 from blockspec.cli import layer_list
 from blockspec.models.target import load_target
 from blockspec.training.anchors import build_blocks
-from blockspec.training.samples import load_samples
-from blockspec.training.trainer import TrainConfig, Trainer, pad_batch
+from blockspec.training.samples import load_samples, pad_batch
+from blockspec.training.trainer import TrainConfig, Trainer
 
 MAX_LENGTH = 512  # tokens per training sequence, as the shipped drafter's command
 

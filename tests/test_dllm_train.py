@@ -38,9 +38,8 @@ from blockspec.dllm.train import (
     training_blocks,
 )
 from blockspec.errors import BlockspecError
+from blockspec.training.checkpoints import latest_checkpoint
 from blockspec.training.samples import TrainingSample
-from blockspec.training.trainer import latest_checkpoint
-
 
 # --- the loss -------------------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ from blockspec.models.dflash import load_dflash_model
 from blockspec.models.tokens import pick_mask_token
 from blockspec.training import trainer as trainer_module
 from blockspec.training.anchors import build_blocks, loss_weights
-from blockspec.training.samples import TrainingSample
-from blockspec.training.trainer import TrainConfig, Trainer, latest_checkpoint, pad_batch
-
+from blockspec.training.checkpoints import latest_checkpoint
+from blockspec.training.samples import TrainingSample, pad_batch
+from blockspec.training.trainer import TrainConfig, Trainer
 
 # --- anchors, labels, weights and the block-sparse mask ------------------------------------
 
@@ -68,8 +68,8 @@ def test_a_training_block_gives_the_logits_the_drafter_computes_at_inference(lea
     import copy
 
     from blockspec.models.dflash import DFlashDrafter
+    from blockspec.training.features import FeatureSource
     from blockspec.training.methods import DFlashTraining
-    from blockspec.training.trainer import FeatureSource, pad_batch
 
     target, _, _ = learned_target
     samples, _ = training_data
@@ -444,7 +444,6 @@ def _first_cache(learned_target, tmp_path) -> Path:
 
 def test_features_are_kept_in_bf16_under_bf16_autocast_and_come_back_as_float32(learned_target, training_data,
                                                                                     tmp_path):
-    from blockspec.training.trainer import pad_batch
 
     target, _, _ = learned_target
     samples, _ = training_data
@@ -537,7 +536,6 @@ def test_a_feature_cache_of_other_target_layers_is_refused(learned_target, train
 
 
 def test_an_unreadable_feature_file_is_recomputed(learned_target, training_data, tmp_path):
-    from blockspec.training.trainer import pad_batch
 
     target, _, _ = learned_target
     samples, _ = training_data

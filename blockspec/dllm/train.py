@@ -38,17 +38,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import signal
 import sys
-import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from blockspec.dllm.model import (
     ATTENTION_MODES,
@@ -60,19 +55,14 @@ from blockspec.dllm.model import (
     diffusion_settings,
 )
 from blockspec.errors import BlockspecError
-from blockspec.io import save_atomically
 from blockspec.models.checkpoint import load_pretrained_strict
 from blockspec.models.tokens import encode_prompt, pick_mask_token, response_end_id
+from blockspec.training.checkpoints import latest_checkpoint
+from blockspec.training.loop import SampleOrder, StepResult, TrainingLoop, TrainState
 from blockspec.training.prompts import load_prompts
 from blockspec.training.responses import given_response_ids
-from blockspec.training.samples import TrainingSample, load_samples, make_sample
-from blockspec.training.trainer import (
-    cosine_with_warmup,
-    latest_checkpoint,
-    write_checkpoint,
-)
+from blockspec.training.samples import TrainingSample, load_samples, make_sample, pad_batch
 
-STATE_FILE = "trainer_state.pt"
 DEFAULT_EPS = 1e-3
 
 
@@ -209,15 +199,9 @@ def model_loss(model, batch: TokenBatch, mask_token_id: int, config: DiffusionTr
 
 def collate(samples, pad_id: int, device=None) -> TokenBatch:
     """Right-pad TrainingSamples; padding is hidden from attention and never masked."""
-    width = max(s.input_ids.numel() for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    valid = torch.zeros((len(samples), width), dtype=torch.bool)
-    response = torch.zeros_like(valid)
-    for row, sample in enumerate(samples):
-        n = sample.input_ids.numel()
-        ids[row, :n] = sample.input_ids
-        valid[row, :n] = True
-        response[row, :n] = sample.loss_mask
+    ids, response, lengths = pad_batch(samples, pad_id)
+    width = ids.shape[1]
+    valid = torch.arange(width)[None, :] < lengths[:, None]
     positions = torch.arange(width).expand(len(samples), -1).contiguous()
     return TokenBatch(*(t.to(device) for t in (ids, valid, response, positions)))
 
@@ -320,79 +304,25 @@ class DiffusionTrainConfig:
             raise BlockspecError("save_every and keep_checkpoints must be >= 0")
 
 
-@dataclass
-class DiffusionTrainState:
-    step: int = 0
-    losses: list[float] = field(default_factory=list)
-    seconds: float = 0.0  # in training steps, over all runs of this output directory
-
-    @property
-    def seconds_per_step(self) -> float:
-        return self.seconds / len(self.losses) if self.losses else math.nan
-
-
-class InterruptGuard:
-    """Holds Ctrl-C back while a step updates weights, optimizer and step count, so that the
-    checkpoint written on Ctrl-C always holds whole steps. Elsewhere Ctrl-C acts at once.
-    Outside the main thread (no signal handlers there) it holds nothing back."""
-
-    def __init__(self):
-        self.holding = False
-        self.pending = False
-        self._installed = False
-        self._previous = None
-
-    def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._on_interrupt)
-            self._installed = True
-        except ValueError:
-            self._installed = False
-        return self
-
-    def __exit__(self, *exc):
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._installed = False
-
-    def _on_interrupt(self, signum, frame):
-        if not self.holding:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    @contextmanager
-    def hold(self):
-        self.holding = True
-        try:
-            yield
-        finally:
-            self.holding = False
-        if self.pending:
-            self.pending = False
-            raise KeyboardInterrupt
-
-
-class DiffusionTrainer:
+class DiffusionTrainer(TrainingLoop):
     """Adapt ``model`` (an HF causal LM, trained in place) into a masked diffusion LM."""
+
+    progress_label = "dllm training"
 
     def __init__(self, config: DiffusionTrainConfig, model, tokenizer, samples, *, resume: bool = False):
         if not samples:
             raise BlockspecError("no training samples")
-        self.config, self.model, self.tokenizer, self.samples = config, model, tokenizer, samples
-        self.out = Path(config.out)
-        self.mask_token_id = self._mask_token_id()
+        self.tokenizer, self.samples = tokenizer, samples
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.model.requires_grad_(True).train()
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                           betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(config.steps, config.warmup_ratio))
-        self.state = DiffusionTrainState()
-        self.guard = InterruptGuard()
-        self._order_epoch, self._order = None, []
-        self._saved_step = None
+        model.requires_grad_(True).train()
+        super().__init__(out=config.out, model=model, config=config, state=TrainState(), total_steps=config.steps,
+                         lr=config.lr, weight_decay=config.weight_decay, warmup_ratio=config.warmup_ratio,
+                         grad_clip=config.grad_clip, save_every=config.save_every,
+                         keep_checkpoints=config.keep_checkpoints, progress=config.progress)
+        self.mask_token_id = self._mask_token_id()
+        self.order = SampleOrder(len(samples), config.seed)
         if resume:
-            self._load_latest()
+            self._resume_latest()
         elif latest_checkpoint(self.out) is not None:
             raise BlockspecError(f"{self.out} holds the checkpoints of a run: pass --resume to continue it, "
                                  "or choose another --out")
@@ -408,63 +338,23 @@ class DiffusionTrainer:
             raise BlockspecError(f"mask token id {mask_id} lies outside the vocabulary (0..{vocab - 1})")
         return int(mask_id)
 
-    # --- the loop -------------------------------------------------------------------
+    # --- one step -------------------------------------------------------------------
 
-    def run(self, until_step: int | None = None) -> DiffusionTrainState:
-        """Train to the end (or to ``until_step``); Ctrl-C saves a checkpoint and re-raises."""
-        last = min(self.config.steps, until_step or self.config.steps)
-        bar = tqdm(total=self.config.steps, initial=self.state.step, desc="dllm training", unit="step",
-                   disable=not self.config.progress, dynamic_ncols=True)
-        try:
-            with self.guard:
-                while self.state.step < last:
-                    loss = self.train_step()
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}")
-                    if self.config.save_every and self.state.step % self.config.save_every == 0:
-                        self.save_checkpoint()
-        except KeyboardInterrupt:
-            bar.write(f"interrupted after step {self.state.step}: saving a checkpoint")
-            self.save_checkpoint()
-            raise
-        finally:
-            bar.close()
-        self.save_checkpoint()
-        if self.state.step >= self.config.steps:
-            self.save_final()
-        return self.state
-
-    def train_step(self) -> float:
-        """One optimizer step; the update itself runs under the interrupt guard."""
-        started = time.perf_counter()
-        step = self.state.step
+    def _train_step(self, step: int) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
         batch = collate([self.samples[i] for i in self.batch_indices(step)], self.pad_id, self.model.device)
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
         loss = model_loss(self.model, batch, self.mask_token_id, self.config, generator=generator)
         loss.backward()
-        with self.guard.hold():
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.state.step += 1
-            self.state.losses.append(loss.item())
-            self.state.seconds += time.perf_counter() - started
-        return self.state.losses[-1]
+        self._update(loss.item())
+        return StepResult(self.state.losses[-1])
 
     def batch_indices(self, step: int) -> list[int]:
-        """The samples of ``step``: epoch after epoch, each in an order drawn from the seed and the epoch."""
-        count, size = len(self.samples), self.config.batch_size
-        return [self._epoch_order(flat // count)[flat % count] for flat in range(step * size, (step + 1) * size)]
+        """The samples of ``step``: the next ``batch_size`` of the run's order."""
+        size = self.config.batch_size
+        return self.order.take(step * size, size)
 
-    def _epoch_order(self, epoch: int) -> list[int]:
-        if self._order_epoch != epoch:
-            generator = torch.Generator().manual_seed(self.config.seed + 7919 * epoch)
-            self._order = torch.randperm(len(self.samples), generator=generator).tolist()
-            self._order_epoch = epoch
-        return self._order
-
-    # --- checkpoints ----------------------------------------------------------------
+    # --- the saved model ------------------------------------------------------------
 
     def diffusion_settings(self) -> dict:
         """The ``dllm`` entry of the saved config: what a sampler needs to run the model."""
@@ -472,80 +362,24 @@ class DiffusionTrainer:
         return {"mask_token_id": self.mask_token_id, "shifted": self.config.shifted,
                 "attention": self.config.attention, "block_size": self.config.block_size if block else None}
 
-    def _save_model(self, directory: Path) -> None:
+    def _write_model(self, directory: Path) -> None:
+        """A ``save_pretrained`` directory whose config carries the diffusion settings."""
         self.model.config.dllm = self.diffusion_settings()
         self.model.config.mask_token_id = self.mask_token_id
         self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
 
-    def save_checkpoint(self) -> Path:
-        """The model (``save_pretrained``) and what resuming needs, written atomically; a step
-        already saved is not written again (rewriting it would briefly leave no checkpoint)."""
-        directory = self.out / "checkpoints" / f"step-{self.state.step:07d}"
-        if self._saved_step == self.state.step:
-            return directory
-
-        def write(tmp: Path):
-            self._save_model(tmp)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "state": asdict(self.state), "config": asdict(self.config), "rng": _rng_state()},
-                       tmp / STATE_FILE)
-
-        directory = write_checkpoint(self.out, self.state.step, write)
-        self._saved_step = self.state.step
-        self._prune_checkpoints(keep=directory)
-        return directory
-
-    def _prune_checkpoints(self, keep: Path) -> None:
-        """Drop all but the newest checkpoints, and what killed writes left behind."""
-        folder = self.out / "checkpoints"
-        stale = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(".step-")]
-        if self.config.keep_checkpoints:
-            steps = sorted(p for p in folder.glob("step-*") if p.is_dir() and p != keep)
-            stale += steps[: max(0, len(steps) - self.config.keep_checkpoints + 1)]
-        for path in stale:
-            shutil.rmtree(path, ignore_errors=True)
-
-    def save_final(self) -> Path:
-        directory = save_atomically(self._save_model, self.out / "model")
-        (self.out / "train_config.json").write_text(json.dumps(asdict(self.config), indent=1))
-        return directory
-
-    def _load_latest(self) -> None:
-        directory = latest_checkpoint(self.out)
-        if directory is None:
-            return
-        saved = torch.load(directory / STATE_FILE, weights_only=False)
-        self._check_same_settings(saved["config"], directory)
+    def _saved_weights(self, directory: Path) -> dict:
         dtype = next(self.model.parameters()).dtype
-        weights = load_pretrained_strict(type(self.model), directory, dtype=dtype).state_dict()
-        self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.state = DiffusionTrainState(**saved["state"])
-        _set_rng_state(saved["rng"])
-        self._saved_step = self.state.step
+        return load_pretrained_strict(type(self.model), directory, dtype=dtype).state_dict()
 
-    def _check_same_settings(self, saved: dict, directory: Path) -> None:
+    def _check_resumable(self, saved_config: dict, directory: Path) -> None:
         now = asdict(self.config)
-        changed = [f"{name} {saved.get(name)!r} -> {value!r}" for name, value in now.items()
-                   if name not in BOOKKEEPING and saved.get(name) != value]
+        changed = [f"{name} {saved_config.get(name)!r} -> {value!r}" for name, value in now.items()
+                   if name not in BOOKKEEPING and saved_config.get(name) != value]
         if changed:
             raise BlockspecError(f"{directory} was trained with other settings ({'; '.join(changed)}): "
                                  "resume with the same ones, or start a new run in another --out")
-
-
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------------------
@@ -553,7 +387,7 @@ def _set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------
 
 def adapt(init: str, files, config: DiffusionTrainConfig, *, resume: bool = False,
-          device: str | None = None) -> tuple[Path, DiffusionTrainState]:
+          device: str | None = None) -> tuple[Path, TrainState]:
     """Adapt the causal LM at ``init`` into a masked diffusion LM on ``files``.
 
     Returns the directory of the trained model and the training state (losses, time).

@@ -9,17 +9,12 @@ from pathlib import Path
 
 from blockspec.errors import BlockspecError
 from blockspec.models.tokens import encode_prompt
+from blockspec.training.distributed import barrier, init_distributed_from_env, rank_and_world_size
 from blockspec.training.prompts import load_prompts
 from blockspec.training.response_cache import read_cache
 from blockspec.training.responses import generate_responses, responses_from_data
 from blockspec.training.samples import load_samples
-from blockspec.training.trainer import (
-    TrainConfig,
-    Trainer,
-    barrier,
-    init_distributed_from_env,
-    rank_and_world_size,
-)
+from blockspec.training.trainer import TrainConfig, Trainer
 
 
 @dataclass

@@ -56,3 +56,15 @@ def load_samples(
     rows = [row for row in read_cache(cache_path) if row.get("finished", False) or not only_finished]
     samples = [make_sample(row["prompt_ids"], row["response_ids"], row["id"], max_length=max_length) for row in rows]
     return [sample for sample in samples if sample is not None]
+
+
+def pad_batch(samples, pad_id: int = 0) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
+    """Right-pad a list of TrainingSamples with ``pad_id``: (input_ids, loss_mask, lengths)."""
+    lengths = torch.tensor([s.input_ids.numel() for s in samples])
+    width = int(lengths.max())
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        ids[row, : lengths[row]] = sample.input_ids
+        mask[row, : lengths[row]] = sample.loss_mask
+    return ids, mask, lengths

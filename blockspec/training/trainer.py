@@ -14,33 +14,29 @@ scheduler, data position; anchors are drawn from a generator seeded by the step)
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
 from blockspec.errors import BlockspecError
-from blockspec.io import save_atomically, write_text_atomically
-from blockspec.models.target import layer_features
 from blockspec.training.anchors import default_gamma
+from blockspec.training.distributed import rank_and_world_size
 from blockspec.training.feature_store import FeatureStore, target_fingerprint
+from blockspec.training.features import FeatureSource
+from blockspec.training.loop import SampleOrder, StepResult, TrainingLoop, TrainState
 from blockspec.training.memory import available_memory
 from blockspec.training.methods import TRAINABLE_METHODS, Batch, training_method
+from blockspec.training.samples import pad_batch
 
-STATE_FILE = "trainer_state.pt"
 #: the share of the memory available at the start that target features kept in memory may fill
 #: (the rest is the steps' own working memory)
 FEATURE_MEMORY_SHARE = 0.8
 PRECISIONS = ("auto", "fp32", "bf16")
-LATEST_FILE = "latest"
 
 
 @dataclass
@@ -123,118 +119,38 @@ class TrainConfig:
 
 
 @dataclass
-class TrainState:
-    step: int = 0
-    losses: list[float] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
+class DrafterTrainState(TrainState):
+    evals: list[dict] = field(default_factory=list)  # held-out tau along the run
 
 
-class FeatureSource:
-    """Context features of the frozen target, computed once per sample and kept if asked.
+class Trainer(TrainingLoop):
+    """Trains the drafter of ``config.method`` on ``samples`` against the frozen ``target``."""
 
-    Kept in memory, or on disk when a FeatureStore is given (then not in memory).
-    ``keep_dtype``: the dtype of the kept copies (bf16 under bf16 autocast, where the drafter's
-    first product rounds them to bf16 anyway: half the memory, the same training); batches
-    come back in float32.
-    """
+    final_dir_name = "draft"
 
-    def __init__(self, target_model, layer_ids: list[int], keep: bool, keep_dtype: torch.dtype = torch.float32,
-                 store: FeatureStore | None = None):
-        self.model = target_model
-        self.layer_ids = layer_ids
-        self.keep = keep
-        self.keep_dtype = keep_dtype
-        self.store = store
-        self.kept: dict[int, torch.Tensor] = {}
-
-    @property
-    def in_memory(self) -> bool:
-        return self.keep and self.store is None
-
-    @property
-    def bytes_per_token(self) -> int:
-        hidden = self.model.get_input_embeddings().weight.shape[1]
-        return len(self.layer_ids) * hidden * self.keep_dtype.itemsize
-
-    @torch.no_grad()
-    def __call__(self, indices: list[int], input_ids: torch.LongTensor, lengths: torch.LongTensor) -> torch.Tensor:
-        tokens = [input_ids[row, : int(lengths[row])] for row in range(len(indices))]
-        found = [self._kept_features(index, ids) for index, ids in zip(indices, tokens)]
-        missing = [row for row, features in enumerate(found) if features is None]
-        if missing:
-            out = self.model.base_model(input_ids=input_ids[missing].to(self.model.device), output_hidden_states=True)
-            features = layer_features(out.hidden_states, self.layer_ids).float().cpu()
-            for position, row in enumerate(missing):
-                # a copy, not a view pinning the whole batch
-                found[row] = features[position, : int(lengths[row])].to(self.keep_dtype).clone()
-                self._keep(indices[row], tokens[row], found[row])
-        width = input_ids.shape[1]
-        return torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - f.shape[0])) for f in found]).float()
-
-    def _kept_features(self, index: int, token_ids: torch.Tensor) -> torch.Tensor | None:
-        if self.store is not None:
-            return self.store.load(token_ids)
-        return self.kept.get(index)
-
-    def _keep(self, index: int, token_ids: torch.Tensor, features: torch.Tensor) -> None:
-        if self.store is not None:
-            self.store.save(token_ids, features)
-        elif self.keep:
-            self.kept[index] = features
-
-
-def pad_batch(samples) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
-    """Right-pad a list of TrainingSamples (the target is causal: padding after is harmless)."""
-    lengths = torch.tensor([s.input_ids.numel() for s in samples])
-    width = int(lengths.max())
-    ids = torch.zeros((len(samples), width), dtype=torch.long)
-    mask = torch.zeros((len(samples), width), dtype=torch.bool)
-    for row, sample in enumerate(samples):
-        ids[row, : lengths[row]] = sample.input_ids
-        mask[row, : lengths[row]] = sample.loss_mask
-    return ids, mask, lengths
-
-
-def cosine_with_warmup(total_steps: int, warmup_ratio: float):
-    warmup = max(1, round(total_steps * warmup_ratio))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-class Trainer:
     def __init__(self, config: TrainConfig, target, samples, eval_prompts=None, *, resume: bool = False):
-        self.config = config
+        if not samples:
+            raise BlockspecError("no training samples: the data produced no usable prompt/response pairs")
         self.target = target  # a blockspec Target
         self.samples = samples
         self.eval_prompts = eval_prompts or []
-        self.out = Path(config.out)
-        self.rank, self.world = rank_and_world_size()
-        if not samples:
-            raise BlockspecError("no training samples: the data produced no usable prompt/response pairs")
-        self.state = TrainState()
+        rank, self.world = rank_and_world_size()
         self.method = training_method(config.method)
         torch.manual_seed(config.seed)
-        self.model = self.method.build(config, target, samples).to(target.model.device).train()
-        resuming = resume and latest_checkpoint(self.out) is not None
-        if config.init_from and not resuming:  # a checkpoint of this run supersedes the starting weights
+        model = self.method.build(config, target, samples).to(target.model.device).train()
+        total_steps = config.max_steps or max(1, math.ceil(
+            config.epochs * len(samples) / (config.batch_size * config.grad_accum * self.world)))
+        super().__init__(out=config.out, model=model, config=config, state=DrafterTrainState(),
+                         total_steps=total_steps, lr=config.lr, weight_decay=config.weight_decay,
+                         warmup_ratio=config.warmup_ratio, grad_clip=config.grad_clip,
+                         save_every=config.save_every, progress=config.progress, rank=rank)
+        resumed = resume and self._resume_latest()
+        if config.init_from and not resumed:  # a checkpoint of this run supersedes the starting weights
             self._load_weights_from(config.init_from)
+        self.order = SampleOrder(len(samples), config.seed)
         layers = self.method.feature_layers(self.model)
         keep_dtype = torch.bfloat16 if self._autocast_wanted() else torch.float32
         self.features = self._feature_source(layers, keep_dtype) if layers else None
-        self.total_steps = config.max_steps or max(1, math.ceil(
-            config.epochs * len(samples) / (config.batch_size * config.grad_accum * self.world)))
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(self.total_steps, config.warmup_ratio))
-        if resuming:
-            self._load_latest()
         self._check_memory_for_kept_features()
         self.ddp_model = self._wrap_for_ddp()
 
@@ -278,38 +194,9 @@ class Trainer:
 
         return DistributedDataParallel(self.model)
 
-    # --- the loop -----------------------------------------------------------------------
+    # --- one step -----------------------------------------------------------------------
 
-    def run(self, until_step: int | None = None) -> TrainState:
-        """Train to the end (or to ``until_step``); Ctrl-C saves a checkpoint and returns."""
-        last = min(self.total_steps, until_step or self.total_steps)
-        bar = tqdm(total=self.total_steps, initial=self.state.step, desc="training", unit="step",
-                   disable=not self.config.progress or self.rank != 0, dynamic_ncols=True)
-        started, tokens = time.perf_counter(), 0
-        try:
-            while self.state.step < last:
-                loss, accuracy, step_tokens = self._train_step(self.state.step)
-                self.state.step += 1
-                self.state.losses.append(loss)
-                tokens += step_tokens
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.2f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}",
-                                tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
-                self._maybe_evaluate(bar)
-                if self.config.save_every and self.state.step % self.config.save_every == 0:
-                    self.save_checkpoint()
-        except KeyboardInterrupt:
-            bar.write(f"interrupted at step {self.state.step}: saving a checkpoint")
-            self.save_checkpoint()
-            bar.close()
-            raise
-        bar.close()
-        self.save_checkpoint()
-        if self.state.step >= self.total_steps:
-            self.save_final()
-        return self.state
-
-    def _train_step(self, step: int) -> tuple[float, float, int]:
+    def _train_step(self, step: int) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
         losses, accuracies, tokens = [], [], 0
         for micro in range(self.config.grad_accum):
@@ -322,10 +209,9 @@ class Trainer:
             losses.append(loss.item())
             accuracies.append(accuracy)
             tokens += count
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        return sum(losses) / len(losses), _nanmean(accuracies), tokens
+        loss = sum(losses) / len(losses)
+        self._update(loss)
+        return StepResult(loss, _nanmean(accuracies), tokens)
 
     def _micro_batch(self, indices, step, micro):
         ids, loss_mask, lengths = pad_batch([self.samples[i] for i in indices])
@@ -347,27 +233,14 @@ class Trainer:
         return torch.autocast(device_type=self.target.model.device.type, dtype=torch.bfloat16)
 
     def _batch_indices(self, step: int, micro: int) -> list[int]:
-        """The samples of one micro-batch: epoch-wise permutations, sharded by rank."""
-        config, count = self.config, len(self.samples)
-        per_step = config.batch_size * config.grad_accum * self.world
-        start = (step * per_step) + (micro * self.world + self.rank) * config.batch_size
-        indices = []
-        for flat in range(start, start + config.batch_size):
-            epoch, offset = divmod(flat, count)
-            indices.append(self._epoch_order(epoch)[offset])
-        return indices
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        """The sample order of one epoch, drawn once from a generator seeded by the epoch."""
-        if getattr(self, "_order_epoch", None) != epoch:
-            generator = torch.Generator().manual_seed(self.config.seed + 7919 * epoch)
-            self._order = torch.randperm(len(self.samples), generator=generator).tolist()
-            self._order_epoch = epoch
-        return self._order
+        """The samples of one micro-batch: consecutive in the run's order, sharded by rank."""
+        size = self.config.batch_size
+        per_step = size * self.config.grad_accum * self.world
+        return self.order.take(step * per_step + (micro * self.world + self.rank) * size, size)
 
     # --- evaluation ---------------------------------------------------------------------
 
-    def _maybe_evaluate(self, bar) -> None:
+    def _after_step(self, bar) -> None:
         every = self.config.eval_every
         if not every or not self.eval_prompts or self.state.step % every or self.rank != 0:
             return
@@ -389,32 +262,14 @@ class Trainer:
         tau = sum(lengths) / len(lengths) if lengths else 0.0
         return {"step": self.state.step, "tau": tau}
 
-    # --- checkpoints --------------------------------------------------------------------
+    # --- weights ------------------------------------------------------------------------
 
-    def checkpoint_dir(self, step: int) -> Path:
-        return checkpoint_dir(self.out, step)
+    def _write_model(self, directory: Path) -> None:
+        """The drafter in its method's public layout."""
+        self.method.write(self.model, directory, self.target)
 
-    def save_checkpoint(self) -> Path | None:
-        """Draft (official layout) + optimizer/scheduler/state, then the `latest` pointer."""
-        if self.rank != 0:
-            barrier()
-            return None
-
-        def write(tmp: Path):
-            self.method.write(self.model, tmp, self.target)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "state": asdict(self.state), "config": asdict(self.config)}, tmp / STATE_FILE)
-            (tmp / "trainer_state.json").write_text(json.dumps(asdict(self.state), indent=1))
-
-        directory = write_checkpoint(self.out, self.state.step, write)
-        barrier()
-        return directory
-
-    def save_final(self) -> None:
-        if self.rank == 0:
-            save_atomically(lambda tmp: self.method.write(self.model, tmp, self.target), self.out / "draft")
-            (self.out / "train_config.json").write_text(json.dumps(asdict(self.config), indent=1))
-        barrier()
+    def _saved_weights(self, directory: Path) -> dict:
+        return self.method.load(directory).state_dict()
 
     def _load_weights_from(self, directory: str) -> None:
         """Copy a saved drafter's weights into the freshly built model, refusing another shape."""
@@ -434,36 +289,6 @@ class Trainer:
                                  f"{'; '.join(problems[:4])} (give the same --num-layers, --intermediate-size, "
                                  "--target-layers, --block-size and --mask-token-id it was trained with)")
         self.model.load_state_dict(weights)
-
-    def _load_latest(self) -> None:
-        directory = latest_checkpoint(self.out)
-        loaded = self.method.load(directory)
-        self.model.load_state_dict(loaded.state_dict())
-        saved = torch.load(directory / STATE_FILE, weights_only=False)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.state = TrainState(**saved["state"])
-
-
-def checkpoint_dir(out: str | Path, step: int) -> Path:
-    return Path(out) / "checkpoints" / f"step-{step:07d}"
-
-
-def write_checkpoint(out: str | Path, step: int, write) -> Path:
-    """``write(tmp_dir)`` fills the checkpoint of ``step``; it is moved into place whole, then
-    ``latest`` points at it. A kill while a new step is written leaves ``latest`` on the last
-    complete checkpoint."""
-    directory = save_atomically(write, checkpoint_dir(out, step))
-    write_text_atomically(Path(out) / "checkpoints" / LATEST_FILE, directory.name)
-    return directory
-
-
-def latest_checkpoint(out: str | Path) -> Path | None:
-    pointer = Path(out) / "checkpoints" / LATEST_FILE
-    if not pointer.is_file():
-        return None
-    directory = pointer.parent / pointer.read_text().strip()
-    return directory if directory.is_dir() else None
 
 
 def grown_weights(model, weights: dict, source: str) -> dict:
@@ -503,25 +328,3 @@ def _step_seed(seed: int, step: int, micro: int, rank: int) -> int:
 def _nanmean(values) -> float:
     real = [v for v in values if not math.isnan(v)]
     return sum(real) / len(real) if real else math.nan
-
-
-def rank_and_world_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def init_distributed_from_env() -> bool:
-    """Join the process group that torchrun / accelerate launch describe in the environment."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return dist.is_initialized()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return True
