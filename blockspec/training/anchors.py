@@ -10,7 +10,6 @@ Many anchors of one sequence train in one forward through a block-sparse attenti
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -104,23 +103,3 @@ def build_blocks(input_ids, loss_mask, lengths, *, block_size, num_anchors, mask
             visible[row, span, context_length + span.start:context_length + span.stop] = True
     return BlockBatch(block_ids, positions, labels, weights, visible.unsqueeze(1),
                       torch.arange(context_length).expand(batch, -1))
-
-
-def weighted_block_loss(logits: torch.Tensor, labels: torch.LongTensor, weights: torch.Tensor):
-    """Cross-entropy per block position, weighted, normalised by the sum of the weights.
-
-    logits [..., V] with labels and weights of the leading shape (all positions, or only the
-    supervised ones: a position of weight 0 adds nothing either way)."""
-    per_token = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.flatten(), reduction="none")
-    total = weights.sum()
-    return (per_token * weights.flatten()).sum() / total.clamp_min(1e-8), total
-
-
-def block_accuracy(logits, labels, weights) -> float:
-    """Share of supervised block positions whose argmax is the label."""
-    supervised = weights.flatten() > 0
-    if not supervised.any():
-        return math.nan
-    hits = logits.reshape(-1, logits.shape[-1]).argmax(-1)[supervised] == labels.flatten()[supervised]
-    return hits.float().mean().item()

@@ -129,8 +129,7 @@ class DFlashTraining:
                                                      labels)
         else:
             losses, hits = head_cross_entropy(head, hidden[supervised.to(device)], labels)
-        loss = (losses * weights).sum() / weights.sum().clamp_min(1e-8)
-        return loss, hits.float().mean().item() if hits.numel() else math.nan
+        return block_loss(losses, hits, weights)
 
     def drafter(self, model, target):
         from blockspec.models.dflash import DFlashDrafter
@@ -140,6 +139,14 @@ class DFlashTraining:
     def write(self, model, directory, target):
         model.config.architectures = ["DFlashDraftModel"]
         model.save_pretrained(directory, safe_serialization=True)
+
+
+def block_loss(losses: torch.Tensor, hits: torch.BoolTensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The block loss from the supervised positions' cross-entropies: weighted by w_k and normalised
+    by the weights' sum (positions of weight 0 add nothing, so they never go through the head);
+    and the share of those positions whose argmax is the label."""
+    loss = (losses * weights).sum() / weights.sum().clamp_min(1e-8)
+    return loss, hits.float().mean().item() if hits.numel() else math.nan
 
 
 def check_soft_labels(model, target) -> None:
