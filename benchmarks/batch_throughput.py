@@ -20,9 +20,10 @@ import torch
 
 from blockspec import hub
 from blockspec.bench.datasets import load_benchmark_prompts
-from blockspec.decoding.batch import batch_generate, drafter_factory
-from blockspec.decoding.generate import GenerationConfig, wall_clock
-from blockspec.models import build_drafter, detect_method
+from blockspec.clock import wall_clock
+from blockspec.decoding.batch import batch_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.registry import build_drafter, detect_method, shipped_draft
 from blockspec.models.target import load_target
 
 
@@ -49,9 +50,7 @@ def load_prompts(target, datasets, count):
 
 def drafters(target, values):
     if not values:
-        from blockspec.demo import default_draft_path
-
-        values = [str(default_draft_path())]
+        values = [str(shipped_draft(target.name))]
     chosen = {}
     for value in values:
         method, _, directory = value.rpartition("=") if "=" in value else (None, "", value)
@@ -62,7 +61,7 @@ def drafters(target, values):
 
 def measure(target, prompts, drafter, batch_size, config):
     start = wall_clock(target.model.device)
-    results = batch_generate(target.model, prompts, drafter_factory(drafter), config, max_batch_size=batch_size)
+    results = batch_generate(target.model, prompts, drafter, config, max_batch_size=batch_size)
     seconds = wall_clock(target.model.device) - start
     tokens = sum(len(r.token_ids) for r in results)
     lengths = [n for r in results for n in r.stats.acceptance_lengths]

@@ -8,15 +8,15 @@ __version__ = "0.1.0"
 
 # Imported on first use, so that `blockspec.hub` and the CLI's fast paths do not pay for torch.
 _EXPORTS = {
-    "GenerationConfig": "blockspec.decoding.generate",
-    "GenerationStats": "blockspec.decoding.generate",
+    "GenerationConfig": "blockspec.decoding.sequence",
+    "GenerationStats": "blockspec.decoding.sequence",
     "speculative_generate": "blockspec.decoding.generate",
     "GenerationResult": "blockspec.decoding.text",
     "generate_text": "blockspec.decoding.text",
     "stream_text": "blockspec.decoding.text",
     "BlockspecError": "blockspec.errors",
-    "build_drafter": "blockspec.models",
-    "load_drafter": "blockspec.models",
+    "build_drafter": "blockspec.drafters.registry",
+    "load_drafter": "blockspec.drafters.registry",
     "Target": "blockspec.models.target",
     "load_target": "blockspec.models.target",
 }

@@ -220,15 +220,8 @@ def run_train_draft(args) -> int:
     return 0
 
 
-def default_block_size(args, drafter):
-    """--block-size as given; when not given, 'auto' for a DFlash chain (the cost model picks each width)."""
-    if args.block_size is None and getattr(drafter, "name", None) == "dflash" and args.tree_budget is None:
-        return "auto"
-    return args.block_size
-
-
 def generation_config(args):
-    from blockspec.decoding.generate import GenerationConfig
+    from blockspec.decoding.sequence import GenerationConfig
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -239,16 +232,14 @@ def load_models(args):
     """The target and the drafter the options name (the drafter is None for AR decoding)."""
     from transformers.utils import logging as hf_logging
 
-    from blockspec.models import build_drafter, detect_method
+    from blockspec.drafters.registry import build_drafter, detect_method, shipped_draft
     from blockspec.models.target import load_target
 
     method = args.method
     if method == "ngram" and args.draft is not None:
         raise BlockspecError("--method ngram drafts from the prompt and takes no --draft: drop --draft")
-    if args.draft is None and method in (None, "dflash") and args.target == DEFAULT_TARGET:
-        from blockspec.demo import default_draft_path
-
-        args.draft = str(default_draft_path())
+    if args.draft is None and method in (None, "dflash") and shipped_draft(args.target) is not None:
+        args.draft = str(shipped_draft(args.target))
     if method in ("dflash", "eagle3", "mtp", "draft") and args.draft is None:
         what = "MODEL (a causal LM directory or a known name)" if method == "draft" else "DIR"
         raise BlockspecError(f"--method {method} needs --draft {what}")
@@ -276,12 +267,13 @@ def drafter_options(args, method: str) -> dict:
 
 
 def run_generate(args) -> int:
+    from blockspec.decoding.sequence import preferred_block_size
     from blockspec.decoding.text import stream_text
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     config = generation_config(args)  # bad values are refused before the models load
     target, drafter = load_models(args)
-    config = dataclasses.replace(config, block_size=default_block_size(args, drafter))
+    config = dataclasses.replace(config, block_size=preferred_block_size(drafter, config))
     stream = stream_text(target, prompt, drafter, config, use_chat_template=not args.no_chat_template)
     for chunk in stream:
         if not args.json:
@@ -341,7 +333,7 @@ def add_serve_command(commands) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from blockspec.decoding.generate import GenerationConfig
+    from blockspec.decoding.sequence import GenerationConfig
     from blockspec.serve.app import create_app
     from blockspec.serve.engine import DecodingOptions
 
@@ -379,7 +371,8 @@ def add_loadtest_command(commands) -> None:
 
 
 def run_loadtest(args) -> int:
-    from blockspec.serve.loadtest import DEFAULT_PROMPT, print_report, run_loadtest as load
+    from blockspec.serve.loadtest import DEFAULT_PROMPT, print_report
+    from blockspec.serve.loadtest import run_loadtest as load
 
     prompt = args.prompt or DEFAULT_PROMPT
     if args.dataset:

@@ -11,13 +11,9 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
-from importlib import resources
-from pathlib import Path
 
 from blockspec.errors import BlockspecError
 
-#: The drafter shipped in the package, under ``blockspec/assets/``.
-SHIPPED_DRAFT = "dflash-smollm2-135m"
 #: Bundled sets the demo draws from by default; prompts are dealt round-robin over them,
 #: so the default four are 2 gsm8k, 1 humaneval and 1 mt_bench.
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt_bench")
@@ -26,26 +22,6 @@ DEFAULT_MAX_NEW_TOKENS = 128
 #: The verify width is chosen each step by the cost model, as in `blockspec generate`.
 DEFAULT_BLOCK_SIZE = "auto"
 _WARMUP_TOKENS = 4
-
-
-def default_draft_path() -> Path:
-    """The directory of the DFlash drafter shipped with the package (for the default target)."""
-    directory = resources.files("blockspec") / "assets" / SHIPPED_DRAFT
-    if not directory.is_dir():
-        raise BlockspecError(
-            f"the shipped DFlash drafter is missing: expected the directory {directory} inside the "
-            "installed package; reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
-        )
-    if not directory.joinpath("config.json").is_file():
-        raise BlockspecError(
-            f"the shipped DFlash drafter at {directory} is incomplete (no config.json); "
-            "reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
-        )
-    path = Path(str(directory))
-    if not path.is_dir():  # a package imported from a zip archive
-        raise BlockspecError("the shipped DFlash drafter cannot be read from a zipped package: install blockspec "
-                             "as ordinary files, or pass --draft DIR")
-    return path
 
 
 def demo_prompts(datasets=None, num_prompts: int = DEFAULT_NUM_PROMPTS) -> list[dict]:
@@ -74,8 +50,8 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
     """
     from rich.console import Console
 
-    from blockspec.decoding.adaptive import AUTO
-    from blockspec.decoding.generate import GenerationConfig, resolve_block_size
+    from blockspec.decoding.policy import AUTO, WidthPolicies
+    from blockspec.decoding.sequence import GenerationConfig, resolve_block_size
 
     console = console or Console()
     rows = [_as_row(prompt, i) for i, prompt in enumerate(prompts)]
@@ -90,14 +66,15 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
     console.print(f"[bold]blockspec demo[/]: target [cyan]{_plain(target.name)}[/] on {model.device} "
                   f"({str(model.dtype).removeprefix('torch.')})\n"
                   f"drafter [cyan]{drafter.name}[/], {described}, greedy, up to {max_new_tokens} new tokens")
-    _warm_up(target, drafter, _chat_prompt(target, rows[0]), dflash_config)
+    policies = WidthPolicies()  # the adaptive width's calibration carries over the prompts
+    _warm_up(target, drafter, _chat_prompt(target, rows[0]), dflash_config, policies)
 
     figures = []
     for index, row in enumerate(rows, start=1):
         _print_header(console, index, len(rows), row)
         prompt = _chat_prompt(target, row)
         ar = _decode(target, prompt, None, ar_config)
-        dflash = _decode(target, prompt, drafter, dflash_config, console=console)
+        dflash = _decode(target, prompt, drafter, dflash_config, console=console, width_policies=policies)
         console.print()
         figure = _figures(row, ar, dflash, block_size if block_size == AUTO else width)
         figures.append(figure)
@@ -122,22 +99,22 @@ def _chat_prompt(target, row: dict):
     return text
 
 
-def _warm_up(target, drafter, prompt, config) -> None:
+def _warm_up(target, drafter, prompt, config, width_policies) -> None:
     """A few tokens both ways, so that first-call overhead does not land on the first prompt."""
     from blockspec.decoding.text import generate_text
 
     warm = replace(config, max_new_tokens=_WARMUP_TOKENS)
     generate_text(target, prompt, None, replace(warm, block_size=None))
-    generate_text(target, prompt, drafter, warm)
+    generate_text(target, prompt, drafter, warm, width_policies=width_policies)
 
 
-def _decode(target, prompt, drafter, config, console=None) -> dict:
+def _decode(target, prompt, drafter, config, console=None, width_policies=None) -> dict:
     """One greedy decode; the wall time excludes the time spent printing the stream."""
     from blockspec.decoding.text import stream_text
 
     printing = 0.0
     start = time.perf_counter()
-    stream = stream_text(target, prompt, drafter, config)
+    stream = stream_text(target, prompt, drafter, config, width_policies=width_policies)
     for chunk in stream:
         if console is not None and chunk.text:
             before = time.perf_counter()
@@ -259,7 +236,7 @@ def add_demo_command(commands) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"target model: a local directory, a known name, or a hub name (default: {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=None,
-                        help=f"DFlash drafter directory (default: the shipped {SHIPPED_DRAFT}, made for the default target)")
+                        help="DFlash drafter directory (default: the one shipped for the default target)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help=f"tokens per prompt (default: {DEFAULT_MAX_NEW_TOKENS})")
     parser.add_argument("--block-size", type=block_size_arg, default=DEFAULT_BLOCK_SIZE,
@@ -280,12 +257,15 @@ def run_demo_command(args) -> int:
     from rich.console import Console
     from transformers.utils import logging as hf_logging
 
-    from blockspec.models import load_drafter
+    from blockspec.drafters.registry import load_drafter, shipped_draft
     from blockspec.models.target import load_target
 
     hf_logging.disable_progress_bar()
     prompts = demo_prompts(args.dataset, args.num_prompts)  # bad names fail before any loading
-    draft = args.draft if args.draft is not None else default_draft_path()
+    draft = args.draft if args.draft is not None else shipped_draft(args.target)
+    if draft is None:
+        raise BlockspecError(f"no drafter is shipped for {args.target}: pass --draft DIR with a DFlash checkpoint "
+                             "made for it")
     console = Console()
     console.print(f"loading the target {_plain(args.target)} and the drafter {_plain(draft)} ...", style="dim")
     target = load_target(args.target, device=getattr(args, "device", None), dtype=getattr(args, "dtype", None))

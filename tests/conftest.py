@@ -9,16 +9,7 @@ torch.set_num_threads(1)  # tiny models run fastest on one thread
 
 import json  # noqa: E402
 
-from tiny_models import CORPUS, make_causal_lm, make_tokenizer, save_tiny_target  # noqa: E402
-
-from blockspec.models.dflash import DFlashDraftModel, make_dflash_config  # noqa: E402
-
-
-def make_dflash(target, num_layers=2, block_size=16, mask_token_id=3, seed=1) -> DFlashDraftModel:
-    torch.manual_seed(seed)
-    config = make_dflash_config(target.config, num_layers=num_layers, block_size=block_size,
-                                mask_token_id=mask_token_id)
-    return DFlashDraftModel(config).to(next(target.parameters()).dtype).eval()
+from helpers import CORPUS, make_causal_lm, make_dflash, make_tokenizer, save_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")

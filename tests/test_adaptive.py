@@ -5,23 +5,37 @@ import random
 
 import pytest
 import torch
-from conftest import make_dflash
-from test_drafters import perturbed_copy, repetitive_prompts
-from test_lossless import MAX_NEW, hf_greedy, prompts
-from test_recursive import make_recursive
-from test_sampling import PASS, SAMPLES, chi_square_pvalue, exact_joint, sampled_joint, small_target
-from tiny_models import make_causal_lm
 
-import blockspec.decoding.adaptive as adaptive
-import blockspec.decoding.generate as generate_module
 from blockspec.cli import main
-from blockspec.decoding.adaptive import AcceptanceCalibrator, AdaptiveWidth, CostModel, cost_model_for
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.sampling import SamplingConfig
-from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter
+from blockspec.decoding.costs import COST_CACHE_MAX_AGE_S, CostModel, cost_model_for
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.policy import PROBE_EVERY, AcceptanceCalibrator, AdaptiveWidth, WidthPolicies
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.dflash import DFlashDrafter
+from blockspec.drafters.draft_model import DraftModelDrafter
+from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.drafters.recursive import RecursiveDrafter
 from blockspec.errors import BlockspecError
-from blockspec.models.dflash import DFlashDrafter
+from blockspec.sampling import SamplingConfig
+from helpers import (
+    MAX_NEW,
+    PASS,
+    SAMPLES,
+    VOCAB,
+    FixedCosts,
+    chi_square_pvalue,
+    decode,
+    exact_joint,
+    hf_greedy,
+    make_causal_lm,
+    make_dflash,
+    make_recursive,
+    perturbed_copy,
+    prompts,
+    repetitive_prompts,
+    sampled_joint,
+    small_target,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -29,11 +43,9 @@ def private_cost_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path / "home"))
 
 
-def run(target, ids, drafter, block_size):
-    stream = speculative_generate(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW,
-                                                                          block_size=block_size))
-    list(stream)
-    return stream
+def run(target, ids, drafter, block_size, width_policies=None):
+    return decode(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size),
+                  width_policies=width_policies)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -59,28 +71,21 @@ def make_drafter(kind, target):
     return PromptLookupDrafter(block_size=6)
 
 
-class FixedCosts(CostModel):
-    """Synthetic costs, kept as they are (not refined by this machine's real verify times)."""
-
-    def observe(self, width, seconds):
-        pass
-
-
 def mid_width_costs(max_width):
     """Costs under which the width that pays depends on the draft's confidence."""
     return FixedCosts([1.0 + 0.03 * w for w in range(max_width)])
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "draft", "ngram"])
-def test_auto_width_is_lossless_and_varies(world, kind, monkeypatch):
+def test_auto_width_is_lossless_and_varies(world, kind):
     target, references = world
-    monkeypatch.setattr(generate_module, "cost_model_for", lambda model, width: mid_width_costs(width))
+    policies = WidthPolicies(lambda model, width: mid_width_costs(width))
     drafter = make_drafter(kind, target)
     widths = set()
     for ids, expected in references:
-        stream = run(target, ids, drafter, "auto")
+        stream = run(target, ids, drafter, "auto", policies)
         assert stream.token_ids == expected
-        assert all(1 <= n <= stream.block_size for n in stream.stats.acceptance_lengths)
+        assert all(1 <= n <= stream.sequence.block_size for n in stream.stats.acceptance_lengths)
         chosen = stream.widths  # one per step that had drafts to cut
         assert [w for w in chosen if w > 1] == [d + 1 for d in stream.stats.drafted if d > 0]
         widths.update(chosen)
@@ -136,8 +141,6 @@ def test_the_policy_maximises_tokens_per_second():
 
 
 def test_drafting_pauses_while_it_does_not_pay_and_probes():
-    from blockspec.decoding.adaptive import PROBE_EVERY
-
     policy = AdaptiveWidth(CostModel([1.0, 1.5]))
     assert policy.should_draft()  # nothing measured yet
     policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # 1 token in 2 s < 1 per s
@@ -151,30 +154,27 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes():
 def test_a_stream_stops_drafting_when_it_only_ever_verifies_width_one(world, monkeypatch):
     """Drafting and then verifying no draft costs the draft for nothing: those steps count as drafting
     steps that paid less than plain ones, so the stream drafts again only on its probes."""
-    from blockspec.decoding.adaptive import PROBE_EVERY
-
     target, references = world
-    measured = adaptive.cost_model_for
 
     def wide_never_pays(model, width):
-        one_token = measured(model, width).seconds[0]
+        one_token = cost_model_for(model, width).seconds[0]
         return CostModel([one_token] + [100 * one_token] * (width - 1))
 
-    monkeypatch.setattr(generate_module, "cost_model_for", wide_never_pays)
+    policies = WidthPolicies(wide_never_pays)
     drafter = make_drafter("dflash", target)
     proposals = []
     propose = drafter.propose
     monkeypatch.setattr(drafter, "propose", lambda *a: proposals.append(1) or propose(*a))
     for ids, expected in references[:4]:
         proposals.clear()
-        stream = run(target, ids, drafter, "auto")
+        stream = run(target, ids, drafter, "auto", policies)
         assert stream.token_ids == expected
         assert set(stream.widths) == {1}
         steps = len(stream.stats.acceptance_lengths)
         assert len(proposals) <= 1 + steps // PROBE_EVERY + 1, (len(proposals), steps)
 
 
-def test_the_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
+def test_the_cost_model_is_measured_once_and_cached(tmp_path):
     target = make_causal_lm("llama", vocab_size=320)
     first = cost_model_for(target, 6, cache_dir=tmp_path)
     assert first.max_width == 6 and all(s > 0 for s in first.seconds)
@@ -182,8 +182,7 @@ def test_the_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
     def no_second_measurement(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(adaptive, "measure_costs", no_second_measurement)
-    assert cost_model_for(target, 4, cache_dir=tmp_path).seconds == first.seconds[:4]
+    assert cost_model_for(target, 4, cache_dir=tmp_path, measure=no_second_measurement).seconds == first.seconds[:4]
     assert len(list(tmp_path.iterdir())) == 1
 
 
@@ -197,34 +196,27 @@ def test_a_stale_cost_model_is_measured_again(tmp_path, monkeypatch):
         measurements.append(args)
         return CostModel([0.1, 0.2, 0.3])
 
-    monkeypatch.setattr(adaptive, "measure_costs", counted)
     saved = json.loads(cached.read_text())
-    saved["measured_at"] -= adaptive.COST_CACHE_MAX_AGE_S + 1
+    saved["measured_at"] -= COST_CACHE_MAX_AGE_S + 1
     cached.write_text(json.dumps(saved))
-    assert cost_model_for(target, 3, cache_dir=tmp_path).seconds == [0.1, 0.2, 0.3]
+    assert cost_model_for(target, 3, cache_dir=tmp_path, measure=counted).seconds == [0.1, 0.2, 0.3]
     assert len(measurements) == 1
-    assert cost_model_for(target, 3, cache_dir=tmp_path).seconds == [0.1, 0.2, 0.3]  # fresh again
+    assert cost_model_for(target, 3, cache_dir=tmp_path, measure=counted).seconds == [0.1, 0.2, 0.3]  # fresh
     assert len(measurements) == 1
 
     monkeypatch.setattr(torch, "__version__", "0.0.0-other")  # another torch: another key
-    cost_model_for(target, 3, cache_dir=tmp_path)
+    cost_model_for(target, 3, cache_dir=tmp_path, measure=counted)
     assert len(measurements) == 2 and len(list(tmp_path.glob("*.json"))) == 2
 
 
 @pytest.mark.slow
-def test_sampling_with_auto_width_follows_the_target(monkeypatch):
-    from test_sampling import VOCAB
-
+def test_sampling_with_auto_width_follows_the_target():
     target = small_target()
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5), target)
-    monkeypatch.setattr(generate_module, "cost_model_for", lambda model, width: mid_width_costs(width))
+    policies = WidthPolicies(lambda model, width: mid_width_costs(width))
     sampling = SamplingConfig(temperature=1.0)
-    import test_sampling
-
-    original = generate_module.GenerationConfig  # the distribution test's configs, with block_size "auto"
-    monkeypatch.setattr(test_sampling, "GenerationConfig", lambda **kw: original(**{**kw, "block_size": "auto"}))
     probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
-    counts = sampled_joint(target, drafter, sampling, SAMPLES)
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size="auto", width_policies=policies)
     assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
 
 

@@ -2,18 +2,15 @@
 
 import pytest
 import torch
-from conftest import make_dflash
-from test_drafters import perturbed_copy, repetitive_prompts
-from test_lossless import prompts
-from test_recursive import make_recursive
-from tiny_models import make_causal_lm
 
-from blockspec.decoding.batch import BatchEngine, batch_generate, drafter_factory
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter
+from blockspec.decoding.batch import BatchEngine, batch_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.dflash import DFlashDrafter
+from blockspec.drafters.draft_model import DraftModelDrafter
+from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.drafters.recursive import RecursiveDrafter
 from blockspec.errors import BlockspecError
-from blockspec.models.dflash import DFlashDrafter
+from helpers import decode, make_causal_lm, make_dflash, make_recursive, perturbed_copy, prompts, repetitive_prompts
 
 NUM_PROMPTS = 8
 METHODS = ["ar", "dflash", "eagle3", "mtp", "ngram", "draft"]
@@ -44,9 +41,7 @@ def mixed_prompts():
 
 
 def alone(target, ids, drafter, config):
-    stream = speculative_generate(target, ids, drafter, config)
-    list(stream)
-    return stream
+    return decode(target, ids, drafter, config)
 
 
 def varied_configs(method, target, cases, **sampling):
@@ -64,7 +59,7 @@ def test_batched_greedy_rows_equal_rows_decoded_alone(target, method):
     prototype = make_prototype(method, target)
     cases = mixed_prompts()
     configs = varied_configs(method, target, cases)
-    results = batch_generate(target, cases, drafter_factory(prototype), configs, max_batch_size=4)
+    results = batch_generate(target, cases, prototype, configs, max_batch_size=4)
     reasons = set()
     for ids, config, result in zip(cases, configs, results):
         expected = alone(target, ids, prototype, config)
@@ -82,7 +77,7 @@ def test_rows_join_mid_run(target, method):
     prototype = make_prototype(method, target)
     cases = mixed_prompts()
     config = GenerationConfig(max_new_tokens=16)
-    engine = BatchEngine(target, drafter_factory(prototype), max_batch_size=8)
+    engine = BatchEngine(target, prototype, max_batch_size=8)
     rows = [engine.add(cases[0], config), engine.add(cases[1], config)]
     steps = 0
     while engine.has_work:
@@ -102,8 +97,8 @@ def test_sampled_rows_are_reproducible_and_match_the_row_alone(target, method):
     cases = mixed_prompts()[:6]
     configs = [GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=100 + i)
                for i in range(len(cases))]
-    first = batch_generate(target, cases, drafter_factory(prototype), configs, max_batch_size=3)
-    second = batch_generate(target, list(reversed(cases)), drafter_factory(prototype), list(reversed(configs)),
+    first = batch_generate(target, cases, prototype, configs, max_batch_size=3)
+    second = batch_generate(target, list(reversed(cases)), prototype, list(reversed(configs)),
                             max_batch_size=6)
     for ids, config, a, b in zip(cases, configs, first, reversed(second)):
         assert a.token_ids == b.token_ids
@@ -128,14 +123,14 @@ def test_holes_are_compacted_away(target):
     """Rows accepting different lengths leave masked holes; the cache stays near the longest row."""
     prototype = make_prototype("ngram", target)
     cases = mixed_prompts()
-    engine = BatchEngine(target, drafter_factory(prototype), max_batch_size=len(cases))
+    engine = BatchEngine(target, prototype, max_batch_size=len(cases))
     rows = [engine.add(ids, GenerationConfig(max_new_tokens=30)) for ids in cases]
     while engine.has_work:
         engine.step()
         if engine.rows:
-            longest = max(row.position for row in engine.rows)
+            longest = max(row.sequence.position for row in engine.rows)
             assert engine.cache.length <= 2 * longest + 8
-            assert engine.cache.valid.sum(dim=1).tolist() == [row.position for row in engine.rows]
+            assert engine.cache.valid.sum(dim=1).tolist() == [row.sequence.position for row in engine.rows]
     for ids, row in zip(cases, rows):
         assert row.token_ids == alone(target, ids, prototype, GenerationConfig(max_new_tokens=30)).token_ids
 
@@ -145,7 +140,7 @@ def test_fp32_batch_matches_rows_alone():
     prototype = DFlashDrafter(make_dflash(target), target)
     cases = prompts(320, count=4, seed=5)
     config = GenerationConfig(max_new_tokens=16)
-    results = batch_generate(target, cases, drafter_factory(prototype), config, max_batch_size=4)
+    results = batch_generate(target, cases, prototype, config, max_batch_size=4)
     for ids, result in zip(cases, results):
         assert result.token_ids == alone(target, ids, prototype, config).token_ids
 
@@ -159,6 +154,8 @@ def test_bad_input_is_refused_clearly(target):
     with pytest.raises(BlockspecError, match="needs a drafter"):
         engine.add([5, 6], GenerationConfig(block_size=4))
     with pytest.raises(BlockspecError, match="batched decoding verifies a fixed width"):
-        BatchEngine(target, drafter_factory(PromptLookupDrafter())).add([5, 6], GenerationConfig(block_size="auto"))
+        BatchEngine(target, PromptLookupDrafter()).add([5, 6], GenerationConfig(block_size="auto"))
+    with pytest.raises(BlockspecError, match="token tree is shaped for one sequence at a time"):
+        BatchEngine(target, PromptLookupDrafter()).add([5, 6], GenerationConfig(tree_budget=4))
     with pytest.raises(BlockspecError, match="one each"):
         batch_generate(target, [[5, 6]], None, [GenerationConfig()] * 2)

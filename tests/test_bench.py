@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import make_causal_lm
 
 from blockspec.bench import report
 from blockspec.bench.cli import parse_drafts, parse_methods
@@ -13,16 +12,18 @@ from blockspec.bench.datasets import BUNDLED, load_bundled, load_from_directory,
 from blockspec.bench.methods import LoopMethod, build_methods
 from blockspec.bench.runner import BenchConfig, first_mismatch, run_benchmark
 from blockspec.cli import main
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.registry import build_drafter
 from blockspec.errors import BlockspecError
-from blockspec.models import build_drafter
 from blockspec.models.target import load_target
+from helpers import make_causal_lm
 
 PROMPTS = [
     {"id": "a/0", "dataset": "a", "turns": ["the cat sat on the mat and the cat sat"]},
     {"id": "a/1", "dataset": "a", "turns": ["one two three one two three one two"]},
     {"id": "b/0", "dataset": "b", "turns": ["hello there", "and again, hello there"]},
 ]
-CONFIG = BenchConfig(max_new_tokens=12, warmup_tokens=2, use_chat_template=False)
+CONFIG = BenchConfig(GenerationConfig(max_new_tokens=12, seed=0), warmup_tokens=2, use_chat_template=False)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_the_token_check_catches_a_broken_method(target, tmp_path):
 
 
 def test_sampled_runs_skip_the_token_check(target, methods):
-    config = replace(CONFIG, temperature=1.0, seed=3)
+    config = replace(CONFIG, generation=replace(CONFIG.generation, temperature=1.0, seed=3))
     run = run_benchmark(target, methods[:2] + methods[4:5], PROMPTS[:1], config, progress=False)
     assert all(r["matches_reference"] is None for r in run.records)
 

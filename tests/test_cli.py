@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from blockspec.cli import main
+from helpers import make_causal_lm, make_dflash
 
 
 def run_cli(*args):
@@ -62,37 +63,36 @@ def test_a_real_process_prints_no_traceback(tiny_target_dir):
 
 
 def test_the_default_target_drafts_with_the_shipped_drafter(monkeypatch):
-    import blockspec.models as models
+    import blockspec.drafters.registry as models
     import blockspec.models.target as target_module
     from blockspec.cli import build_parser, load_models
-    from blockspec.demo import default_draft_path
+    from blockspec.drafters.registry import shipped_draft
 
     monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
     monkeypatch.setattr(models, "build_drafter", lambda method, target, draft=None, **kw: (draft, method))
     args = build_parser().parse_args(["generate", "hello"])
-    assert load_models(args) == ("target:smollm2-135m-instruct", (str(default_draft_path()), "dflash"))
+    assert load_models(args) == ("target:smollm2-135m-instruct", (str(shipped_draft("smollm2-135m-instruct")), "dflash"))
     args = build_parser().parse_args(["generate", "--method", "ar", "hello"])
     assert load_models(args) == ("target:smollm2-135m-instruct", None)
 
 
 def test_generate_defaults_to_the_adaptive_width_for_a_dflash_chain():
-    import argparse
-    from types import SimpleNamespace
+    from blockspec.decoding.sequence import GenerationConfig, preferred_block_size
+    from blockspec.drafters.dflash import DFlashDrafter
+    from blockspec.drafters.ngram import PromptLookupDrafter
 
-    from blockspec.cli import default_block_size
-
-    dflash, eagle = SimpleNamespace(name="dflash"), SimpleNamespace(name="eagle3")
-    args = lambda **kw: argparse.Namespace(**{"block_size": None, "tree_budget": None, **kw})  # noqa: E731
-    assert default_block_size(args(), dflash) == "auto"
-    assert default_block_size(args(), eagle) is None
-    assert default_block_size(args(), None) is None
-    assert default_block_size(args(block_size=8), dflash) == 8
-    assert default_block_size(args(tree_budget=16), dflash) is None
+    target = make_causal_lm("llama", vocab_size=320)
+    dflash, ngram = DFlashDrafter(make_dflash(target, block_size=8), target), PromptLookupDrafter()
+    assert preferred_block_size(dflash, GenerationConfig()) == "auto"
+    assert preferred_block_size(ngram, GenerationConfig()) is None
+    assert preferred_block_size(None, GenerationConfig()) is None
+    assert preferred_block_size(dflash, GenerationConfig(block_size=8)) == 8
+    assert preferred_block_size(dflash, GenerationConfig(tree_budget=16)) is None
 
 
 def test_generate_and_serve_default_to_the_library_tree_fan_out():
     from blockspec.cli import build_parser
-    from blockspec.decoding.generate import GenerationConfig
+    from blockspec.decoding.sequence import GenerationConfig
     from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
     from blockspec.serve.engine import DecodingOptions
 

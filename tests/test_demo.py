@@ -8,8 +8,9 @@ from rich.console import Console
 
 from blockspec import demo
 from blockspec.bench.datasets import load_bundled
+from blockspec.drafters.registry import SHIPPED_DRAFTS, load_drafter, shipped_draft
 from blockspec.errors import BlockspecError
-from blockspec.models import load_drafter
+from blockspec.hub import DEFAULT_TARGET
 from blockspec.models.target import load_target
 
 
@@ -60,8 +61,8 @@ def test_run_demo_reports_a_mismatch(tiny_pair, monkeypatch, tmp_path):
     target, drafter = tiny_pair
     real_decode = demo._decode
 
-    def corrupted(target, prompt, drafter, config, console=None):
-        result = real_decode(target, prompt, drafter, config, console)
+    def corrupted(target, prompt, drafter, config, console=None, **options):
+        result = real_decode(target, prompt, drafter, config, console, **options)
         if drafter is not None:
             result["token_ids"] = result["token_ids"][:-1] + [result["token_ids"][-1] + 1]
         return result
@@ -92,8 +93,6 @@ def test_demo_command_returns_0_on_the_tiny_pair(tiny_target_dir, tiny_draft_dir
 
 def test_demo_command_defaults():
     args = demo_parser().parse_args(["demo"])
-    from blockspec.hub import DEFAULT_TARGET
-
     assert args.target == DEFAULT_TARGET and args.draft is None
     assert args.max_new_tokens == 128 and args.block_size == "auto"
     assert demo_parser().parse_args(["demo", "--block-size", "8"]).block_size == 8
@@ -110,21 +109,19 @@ def test_demo_prompts_deal_round_robin():
         demo.demo_prompts(None, 0)
 
 
-def test_a_missing_shipped_drafter_is_a_clear_error(monkeypatch, tiny_target_dir):
-    monkeypatch.setattr(demo, "SHIPPED_DRAFT", "no-such-drafter")
+def test_a_missing_shipped_drafter_is_a_clear_error(tmp_path, tiny_target_dir):
     with pytest.raises(BlockspecError, match="shipped DFlash drafter is missing.*--draft DIR"):
-        demo.default_draft_path()
+        shipped_draft(DEFAULT_TARGET, assets=tmp_path)
     args = demo_parser().parse_args(["demo", "--target", str(tiny_target_dir)])
-    with pytest.raises(BlockspecError, match="shipped DFlash drafter is missing"):
+    with pytest.raises(BlockspecError, match="no drafter is shipped for .*: pass --draft DIR"):
         args.run(args)
 
 
-def test_the_shipped_drafter_path_is_inside_the_package(monkeypatch, tmp_path):
-    package = tmp_path / "blockspec"
-    (package / "assets" / "drafter").mkdir(parents=True)
-    monkeypatch.setattr(demo.resources, "files", lambda name: package if name == "blockspec" else None)
-    monkeypatch.setattr(demo, "SHIPPED_DRAFT", "drafter")
+def test_the_shipped_drafter_is_found_inside_the_package(tmp_path):
+    assert shipped_draft(DEFAULT_TARGET).joinpath("config.json").is_file()
+    assert shipped_draft("some/other-model") is None
+    (tmp_path / SHIPPED_DRAFTS[DEFAULT_TARGET]).mkdir()
     with pytest.raises(BlockspecError, match="incomplete"):
-        demo.default_draft_path()
-    (package / "assets" / "drafter" / "config.json").write_text("{}")
-    assert demo.default_draft_path() == package / "assets" / "drafter"
+        shipped_draft(DEFAULT_TARGET, assets=tmp_path)
+    (tmp_path / SHIPPED_DRAFTS[DEFAULT_TARGET] / "config.json").write_text("{}")
+    assert shipped_draft(DEFAULT_TARGET, assets=tmp_path) == tmp_path / SHIPPED_DRAFTS[DEFAULT_TARGET]

@@ -4,19 +4,30 @@ import json
 
 import pytest
 import torch
-from conftest import make_dflash
-from test_lossless import MAX_NEW, hf_greedy, prompts
-from test_sampling import PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, small_target
-from tiny_models import make_causal_lm
 
 from blockspec.bench.methods import MethodName, build_methods, parse_method_name
 from blockspec.cli import main
-from blockspec.decoding.generate import GenerationConfig, positions, speculative_generate
-from blockspec.sampling import SamplingConfig
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.dflash import DFlashDrafter, denoise_schedule
+from blockspec.drafters.registry import build_drafter
 from blockspec.errors import BlockspecError
-from blockspec.models import build_drafter
-from blockspec.models.dflash import DFlashDrafter, denoise_schedule
-from blockspec.models.target import load_target
+from blockspec.models.target import load_target, position_ids
+from blockspec.sampling import SamplingConfig
+from helpers import (
+    MAX_NEW,
+    PASS,
+    PROMPT,
+    SAMPLES,
+    VOCAB,
+    chi_square_pvalue,
+    exact_joint,
+    hf_greedy,
+    make_causal_lm,
+    make_dflash,
+    prompts,
+    small_target,
+)
 
 
 @pytest.mark.parametrize("num_tokens,steps,expected", [
@@ -38,26 +49,26 @@ def started_drafter(target, steps, prompt_length=6, block_size=16):
     drafter = DFlashDrafter(make_dflash(target, block_size=block_size), target, denoise_steps=steps)
     features = torch.randn(1, prompt_length, len(drafter.feature_layers) * target.config.hidden_size,
                            generator=torch.Generator().manual_seed(0), dtype=target.dtype)
-    drafter.begin(torch.zeros(1, prompt_length, dtype=torch.long), features)
-    return drafter, features
+    state = drafter.start(torch.zeros(1, prompt_length, dtype=torch.long), features)
+    return drafter, state, features
 
 
 @pytest.mark.parametrize("steps", [2, 3, 4, 15, 20])
 def test_each_pass_commits_the_scheduled_tokens_and_context_enters_the_cache_once(steps):
     target = make_causal_lm("qwen3")
-    drafter, _ = started_drafter(target, steps)
+    drafter, state, _ = started_drafter(target, steps)
     passes = []
     drafter.model.register_forward_pre_hook(lambda module, args: passes.append((args[0], args[2])))
     inputs = []
     hook = drafter.embed_tokens.register_forward_hook(lambda module, args, out: inputs.append(args[0][0, 1:].clone()))
     with torch.inference_mode():
-        logits = drafter.draft_logits(last_token=5, num_tokens=15)
+        logits = drafter.draft_logits(state, last_token=5, num_tokens=15)
     hook.remove()
     schedule = denoise_schedule(15, steps)
-    assert drafter.last_commit_counts == schedule
+    assert state.commit_counts == schedule
     assert len(passes) == len(inputs) == len(schedule)
     assert passes[0][1] is not None and all(context is None for _, context in passes[1:])
-    assert drafter.cache.length == 6
+    assert state.cache.length == 6
     still_masked = [int((ids == drafter.mask_token_id).sum()) for ids in inputs]
     assert still_masked == [15 - sum(schedule[:i]) for i in range(len(schedule))]
     final = inputs[-1]
@@ -67,24 +78,24 @@ def test_each_pass_commits_the_scheduled_tokens_and_context_enters_the_cache_onc
 
 def test_one_pass_is_todays_single_forward_bit_for_bit():
     target = make_causal_lm("qwen3")
-    drafter, features = started_drafter(target, 1)
+    drafter, state, features = started_drafter(target, 1)
     model, cache = drafter.model, drafter.model.new_cache()
 
     def one_forward(last_token, context, context_start, start):
         ids = torch.full((1, 8), drafter.mask_token_id)
         ids[0, 0] = last_token
-        hidden = model(drafter.embed_tokens(ids), positions(start, 8, "cpu"), context,
-                       positions(context_start, start - context_start, "cpu"), cache)
+        hidden = model(drafter.embed_tokens(ids), position_ids(start, 8, "cpu"), context,
+                       position_ids(context_start, start - context_start, "cpu"), cache)
         return target.get_output_embeddings()(hidden[0, 1:]).float()
 
     more = torch.randn(1, 3, features.shape[-1], generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        first = drafter.draft_logits(5, 7)
-        drafter.commit(torch.tensor([[5, 6, 7]]), more)
-        second = drafter.draft_logits(9, 7)
+        first = drafter.draft_logits(state, 5, 7)
+        drafter.commit(state, torch.tensor([[5, 6, 7]]), more)
+        second = drafter.draft_logits(state, 9, 7)
         assert torch.equal(first, one_forward(5, features, 0, 6))
         assert torch.equal(second, one_forward(9, more, 6, 9))
-    assert drafter.last_commit_counts == [7]
+    assert state.commit_counts == [7]
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +132,10 @@ def test_denoised_drafts_are_deterministic_when_sampling():
     target = small_target()
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
                             target, denoise_steps=2)
-    drafter.begin(PROMPT, torch.randn(1, 3, len(drafter.feature_layers) * target.config.hidden_size))
-    proposal = drafter.propose(4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    state = drafter.start(PROMPT, torch.randn(1, 3, len(drafter.feature_layers) * target.config.hidden_size))
+    proposal = drafter.propose(state, 4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     assert proposal.probs is None and proposal.confidence is not None
-    assert drafter.last_commit_counts == [2, 1]
+    assert state.commit_counts == [2, 1]
 
 
 def sampled_first_tokens(target, drafter, sampling, samples):

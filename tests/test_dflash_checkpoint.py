@@ -4,18 +4,14 @@ import json
 
 import pytest
 import torch
-from conftest import make_dflash
 from safetensors.torch import load_file, save_file
-from tiny_models import make_causal_lm
 
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import CheckpointError
-from blockspec.models.dflash import (
-    DFlashDrafter,
-    load_dflash_model,
-    save_dflash_model,
-    select_target_layers,
-)
+from blockspec.models.dflash import load_dflash_model, save_dflash_model, select_target_layers
+from helpers import make_causal_lm, make_dflash
 
 LAYER_KEYS = [
     "input_layernorm.weight", "post_attention_layernorm.weight",

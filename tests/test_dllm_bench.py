@@ -6,11 +6,17 @@ import json
 
 import pytest
 
-from blockspec.dllm.bench import (default_settings, final_number, format_table, is_correct, parse_setting,
-                                  run_setting, write_report)
+from blockspec.dllm.bench import (
+    default_settings,
+    final_number,
+    format_table,
+    is_correct,
+    parse_setting,
+    run_setting,
+    write_report,
+)
 from blockspec.errors import BlockspecError
-from test_dllm_sampling import tiny_dllm
-from tiny_models import make_tokenizer
+from helpers import make_tokenizer, tiny_dllm
 
 
 def test_settings_start_from_the_sampler_preset_and_take_overrides():

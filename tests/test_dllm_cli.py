@@ -7,7 +7,7 @@ import json
 import pytest
 
 from blockspec.cli import main
-from tiny_models import save_tiny_target
+from helpers import save_tiny_target
 
 
 @pytest.fixture(scope="module")

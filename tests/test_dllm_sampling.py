@@ -7,23 +7,15 @@ import math
 import pytest
 import torch
 
-from blockspec.sampling import SamplingConfig
 from blockspec.dllm.generate import DiffusionConfig, candidate_tokens, diffusion_generate
-from blockspec.dllm.model import BLOCK_CAUSAL, HFDiffusionModel
+from blockspec.dllm.model import BLOCK_CAUSAL
 from blockspec.dllm.schedule import Scheduler, linear_counts, select_positions, token_scores
 from blockspec.errors import BlockspecError
-from tiny_models import make_causal_lm
+from blockspec.sampling import SamplingConfig
+from helpers import DLLM_MASK, tiny_dllm
 
-MASK = 3
+MASK = DLLM_MASK
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
-
-
-def tiny_dllm(shifted=False, attention=None, layers=2, seed=0):
-    model = HFDiffusionModel(make_causal_lm("llama", 320, seed=seed, num_hidden_layers=layers).eval(), MASK,
-                             shifted=shifted)
-    if attention:
-        model.attention = attention
-    return model
 
 
 def run(model, prompts=PROMPTS, eos=(), **settings):

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import CORPUS, make_causal_lm, make_tokenizer, save_tiny_target
 
 from blockspec.cli import main
 from blockspec.dllm import train as train_module
@@ -40,6 +39,7 @@ from blockspec.dllm.train import (
 from blockspec.errors import BlockspecError
 from blockspec.training.checkpoints import latest_checkpoint
 from blockspec.training.samples import TrainingSample
+from helpers import CORPUS, make_causal_lm, make_tokenizer, save_tiny_target
 
 # --- the loss -------------------------------------------------------------------------------
 

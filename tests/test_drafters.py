@@ -1,54 +1,43 @@
 """Prompt lookup and the classic draft model: lossless under the one verifier, clear errors."""
 
-import copy
 import json
 
 import pytest
 import torch
-from test_lossless import hf_greedy, prompts
-from test_sampling import (PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint,
-                           small_target)
-from tiny_models import make_causal_lm, make_tokenizer, save_tiny_target
 
 from blockspec.cli import main
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.sampling import SamplingConfig
-from blockspec.drafters import DraftModelDrafter, PromptLookupDrafter, check_compatible
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.draft_model import DraftModelDrafter, check_compatible
+from blockspec.drafters.ngram import PromptLookupDrafter
+from blockspec.drafters.registry import build_drafter, detect_method
 from blockspec.errors import BlockspecError, IncompatibleDraftError
-from blockspec.models import build_drafter, detect_method
 from blockspec.models.target import load_target
+from blockspec.sampling import SamplingConfig
+from helpers import (
+    MAX_NEW,
+    PASS,
+    PROMPT,
+    SAMPLES,
+    VOCAB,
+    chi_square_pvalue,
+    decode,
+    exact_joint,
+    hf_greedy,
+    make_causal_lm,
+    make_tokenizer,
+    perturbed_copy,
+    prompts,
+    repetitive_prompts,
+    sampled_joint,
+    save_tiny_target,
+    small_target,
+)
 
-MAX_NEW = 24
 NUM_PROMPTS = 20
 
 
-def repetitive_prompts(vocab_size, count, seed=0):
-    """Random phrases said several times, with some noise between them."""
-    generator = torch.Generator().manual_seed(seed)
-    result = []
-    for _ in range(count):
-        phrase = torch.randint(4, vocab_size, (int(torch.randint(3, 8, (1,), generator=generator)),),
-                               generator=generator)
-        noise = torch.randint(4, vocab_size, (3,), generator=generator)
-        repeats = int(torch.randint(2, 4, (1,), generator=generator))
-        result.append(torch.cat([phrase, noise] * repeats + [phrase[:2]]).unsqueeze(0))
-    return result
-
-
 def run(target, ids, drafter, **config):
-    stream = speculative_generate(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW, **config))
-    list(stream)
-    return stream
-
-
-def perturbed_copy(model, scale=0.02, seed=0):
-    """A draft that agrees with the target often, but not always: rejections mid-block."""
-    generator = torch.Generator().manual_seed(seed)
-    noisy = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in noisy.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * scale)
-    return noisy
+    return decode(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW, **config))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -94,7 +83,8 @@ def test_greedy_equals_hf_generate(world, kind, block_size, num_prompts):
         if kind == "self":
             assert all(n == block_size for n in stats.acceptance_lengths[:-1]), stats.acceptance_lengths
         if kind != "ngram":  # the draft's cache holds a prefix of the committed sequence, nothing else
-            assert drafter.cached_tokens == drafter.tokens[:len(drafter.cached_tokens)]
+            state = stream.sequence.draft_state
+            assert state.cached_tokens == state.tokens[:len(state.cached_tokens)]
     if kind != "other":
         assert accepted > 0
     if kind == "perturbed" and block_size > 2:
@@ -122,7 +112,8 @@ def test_draft_with_a_padded_vocabulary():
     drafter = DraftModelDrafter(draft, target)
     for ids in prompts(320, count=5, seed=3):
         assert run(target, ids, drafter).token_ids == hf_greedy(target, ids, MAX_NEW)
-    sampled = drafter.propose(5, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    state = drafter.start(prompts(320, count=1, seed=4)[0], None)
+    sampled = drafter.propose(state, 5, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     assert sampled.probs.shape == (3, 320)
 
 
@@ -130,8 +121,8 @@ def test_draft_with_a_padded_vocabulary():
 
 def lookup(history, num_tokens=4, **options):
     drafter = PromptLookupDrafter(**options)
-    drafter.begin(torch.tensor([history[:-1]]), None)
-    return drafter.propose(history[-1], num_tokens, SamplingConfig(), None).tokens.tolist()
+    state = drafter.start(torch.tensor([history[:-1]]), None)
+    return drafter.propose(state, history[-1], num_tokens, SamplingConfig(), None).tokens.tolist()
 
 
 @pytest.mark.parametrize("history,expected", [
@@ -152,21 +143,21 @@ def test_prompt_lookup_respects_min_ngram():
 
 def test_prompt_lookup_follows_commits():
     drafter = PromptLookupDrafter()
-    drafter.begin(torch.tensor([[1, 2, 3]]), None)
-    assert drafter.propose(4, 3, SamplingConfig(), None).tokens.tolist() == []
-    drafter.commit(torch.tensor([[4, 1]]), None)  # the last token 4, one accepted draft
-    drafter.commit(torch.tensor([[2]]), None)  # a step where nothing was proposed
-    assert drafter.propose(3, 3, SamplingConfig(), None).tokens.tolist() == [4, 1, 2]
-    assert drafter.tokens == [1, 2, 3, 4, 1, 2, 3]
+    state = drafter.start(torch.tensor([[1, 2, 3]]), None)
+    assert drafter.propose(state, 4, 3, SamplingConfig(), None).tokens.tolist() == []
+    drafter.commit(state, torch.tensor([[4, 1]]), None)  # the last token 4, one accepted draft
+    drafter.commit(state, torch.tensor([[2]]), None)  # a step where nothing was proposed
+    assert drafter.propose(state, 3, 3, SamplingConfig(), None).tokens.tolist() == [4, 1, 2]
+    assert state.tokens == [1, 2, 3, 4, 1, 2, 3]
 
 
 def test_prompt_lookup_stays_cheap_on_long_contexts():
     drafter = PromptLookupDrafter()
-    drafter.begin(torch.randint(0, 50, (1, 4000), generator=torch.Generator().manual_seed(0)), None)
+    state = drafter.start(torch.randint(0, 50, (1, 4000), generator=torch.Generator().manual_seed(0)), None)
     for token in range(200):
-        proposal = drafter.propose(token % 50, 7, SamplingConfig(), None)
-        drafter.commit(torch.tensor([[token % 50, *proposal.tokens[:2].tolist()]]), None)
-    assert len(drafter.tokens) > 4000
+        proposal = drafter.propose(state, token % 50, 7, SamplingConfig(), None)
+        drafter.commit(state, torch.tensor([[token % 50, *proposal.tokens[:2].tolist()]]), None)
+    assert len(state.tokens) > 4000
 
 
 # --- sampling: the output follows the target's distribution -------------------------------
@@ -198,14 +189,14 @@ def test_sampled_drafts_carry_their_distribution(tiny_vocab_target):
     draft = make_causal_lm("llama", vocab_size=VOCAB, seed=5, hidden_size=32, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1)
     drafter = DraftModelDrafter(draft, tiny_vocab_target)
-    drafter.begin(PROMPT, None)
-    proposal = drafter.propose(4, 3, SamplingConfig(temperature=0.8, top_k=3), torch.Generator().manual_seed(0))
+    state = drafter.start(PROMPT, None)
+    proposal = drafter.propose(state, 4, 3, SamplingConfig(temperature=0.8, top_k=3), torch.Generator().manual_seed(0))
     assert proposal.probs.shape == (3, VOCAB)
     assert torch.allclose(proposal.probs.sum(dim=-1), torch.ones(3))
     assert ((proposal.probs > 0).sum(dim=-1) <= 3).all()
     assert (proposal.probs[torch.arange(3), proposal.tokens] > 0).all()
     drafter.sample_drafts = False
-    assert drafter.propose(4, 3, SamplingConfig(temperature=0.8), None).probs is None
+    assert drafter.propose(state, 4, 3, SamplingConfig(temperature=0.8), None).probs is None
 
 
 # --- compatibility and the registry -------------------------------------------------------
@@ -316,7 +307,7 @@ def test_cli_method_errors(tiny_target_dir, args, message, capsys):
 
 
 def test_the_default_target_with_draft_methods(monkeypatch):
-    import blockspec.models as models
+    import blockspec.drafters.registry as models
     import blockspec.models.target as target_module
     from blockspec.cli import build_parser, load_models
 

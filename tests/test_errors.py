@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from conftest import make_dflash
-from tiny_models import make_causal_lm
 
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import BlockspecError, IncompatibleDraftError
-from blockspec.models.dflash import DFlashDrafter
+from helpers import make_causal_lm, make_dflash
 
 
 @pytest.fixture(scope="module")

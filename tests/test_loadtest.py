@@ -3,12 +3,12 @@
 import json
 
 import pytest
-from test_serve import load_served_target, running_server
 
 from blockspec.cli import main
 from blockspec.errors import BlockspecError
 from blockspec.serve.app import create_app
 from blockspec.serve.loadtest import check_loopback, percentile, run_loadtest
+from helpers import load_served_target, running_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,29 +2,12 @@
 
 import pytest
 import torch
-from conftest import make_dflash
-from tiny_models import make_causal_lm
 
-from blockspec.decoding.drafter import Proposal
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.models.dflash import DFlashDrafter
-
-NUM_PROMPTS = 50
-MAX_NEW = 24
-
-
-def prompts(vocab_size, count=NUM_PROMPTS, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 40, (count,), generator=generator)
-    return [torch.randint(4, vocab_size, (1, int(n)), generator=generator) for n in lengths]
-
-
-def hf_greedy(model, ids, max_new, eos=None):
-    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    tokens = out[0, ids.shape[1]:].tolist()
-    if eos is not None and eos in tokens:
-        tokens = tokens[: tokens.index(eos) + 1]
-    return tokens
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.base import Drafter, Proposal
+from blockspec.drafters.dflash import DFlashDrafter
+from helpers import MAX_NEW, hf_greedy, make_causal_lm, make_dflash, prompts
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -83,27 +66,25 @@ def test_stop_token_ends_generation_like_hf():
     assert stopped == 20
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the target's own greedy continuation: every draft must be accepted."""
 
     name = "oracle"
-    feature_layers = None
-    max_draft_tokens = None
 
     def __init__(self, reference: list[int], block_size: int):
         self.reference = reference
         self.default_block_size = block_size
 
-    def begin(self, prompt_ids, features):
-        self.position = prompt_ids.shape[1]
+    def start(self, prompt_ids, features):
+        return {"position": prompt_ids.shape[1]}
 
-    def propose(self, last_token, num_tokens, sampling, generator):
-        assert self.reference[self.position] == last_token
-        start = self.position + 1
+    def propose(self, state, last_token, num_tokens, sampling, generator):
+        assert self.reference[state["position"]] == last_token
+        start = state["position"] + 1
         return Proposal(torch.tensor(self.reference[start:start + num_tokens]))
 
-    def commit(self, tokens, features):
-        self.position += tokens.shape[1]
+    def commit(self, state, tokens, features):
+        state["position"] += tokens.shape[1]
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])

@@ -5,7 +5,8 @@ import runpy
 import sys
 
 import pytest
-from test_trainer import _first_cache
+
+from helpers import first_response_cache
 
 
 def sweep(monkeypatch, target_dir, cache, results, name, steps):
@@ -21,7 +22,7 @@ def sweep(monkeypatch, target_dir, cache, results, name, steps):
 def test_a_trained_drafter_scores_above_an_untrained_one_on_held_out_responses(learned_target, tmp_path,
                                                                                monkeypatch):
     _, target_dir, _ = learned_target
-    cache = _first_cache(learned_target, tmp_path)
+    cache = first_response_cache(learned_target, tmp_path)
     results = tmp_path / "results.jsonl"
     untrained = sweep(monkeypatch, target_dir, cache, results, "untrained", 1)
     trained = sweep(monkeypatch, target_dir, cache, results, "trained", 80)
@@ -32,7 +33,7 @@ def test_a_trained_drafter_scores_above_an_untrained_one_on_held_out_responses(l
 
 def test_the_held_out_responses_never_train(learned_target, tmp_path):
     split = runpy.run_path("benchmarks/recipe_sweep.py")["split"]
-    cache = _first_cache(learned_target, tmp_path)
+    cache = first_response_cache(learned_target, tmp_path)
     held_out, training = split([str(cache), str(cache)], 4)
     held_ids = {s.id for s in held_out}
     assert len(held_ids) == 4 and not held_ids & {s.id for s in training}

@@ -5,35 +5,31 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_lossless import MAX_NEW, hf_greedy, prompts
-from test_sampling import (PASS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint,
-                           small_target)
-from tiny_models import make_causal_lm
 
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.sampling import SamplingConfig
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.recursive import RecursiveDrafter
+from blockspec.drafters.registry import build_drafter, detect_method
 from blockspec.errors import CheckpointError, IncompatibleDraftError
-from blockspec.models import build_drafter, detect_method
-from blockspec.models.eagle3 import Eagle3DraftModel, load_eagle3_model, make_eagle3_config
-from blockspec.models.mtp import MTPDraftModel, load_mtp_model, make_mtp_config
-from blockspec.models.target import Target
-
-KINDS = {"eagle3": (Eagle3DraftModel, make_eagle3_config), "mtp": (MTPDraftModel, make_mtp_config)}
-
-
-def make_recursive(kind, target, *, draft_vocab_size=None, seed=1, ttt_steps=3):
-    """A randomly initialised draft; with draft_vocab_size, a random draft vocabulary."""
-    model_class, make_config = KINDS[kind]
-    torch.manual_seed(seed)
-    model = model_class(make_config(target.config, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps))
-    if draft_vocab_size:
-        vocab = target.config.vocab_size
-        order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-        model.set_draft_vocabulary(order[:draft_vocab_size])
-    if kind == "mtp":
-        model.attach_target(target)
-    return model.to(next(target.parameters()).dtype).eval()
+from blockspec.models.eagle3 import load_eagle3_model
+from blockspec.models.mtp import load_mtp_model
+from blockspec.models.target import Target, layer_features
+from blockspec.sampling import SamplingConfig
+from helpers import (
+    MAX_NEW,
+    PASS,
+    PROMPT,
+    RECURSIVE_KINDS,
+    SAMPLES,
+    chi_square_pvalue,
+    exact_joint,
+    hf_greedy,
+    make_causal_lm,
+    make_recursive,
+    prompts,
+    sampled_joint,
+    small_target,
+)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -53,7 +49,8 @@ def test_greedy_equals_hf_generate(world, kind, block_size, draft_vocab):
         list(stream)
         assert stream.token_ids == expected
         assert all(1 <= n <= block_size for n in stream.stats.acceptance_lengths)
-        assert drafter.fed + drafter.pending.shape[1] == len(drafter.tokens)  # one cache row per position
+        state = stream.sequence.draft_state
+        assert state.fed + state.pending.shape[1] == len(state.tokens)  # one cache row per position
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
@@ -67,10 +64,10 @@ def test_training_unroll_equals_inference_recursion(kind, draft_vocab):
     last_token = 17
     with torch.no_grad():
         hidden_states = target(prompt, output_hidden_states=True).hidden_states
-    features = torch.cat([hidden_states[i + 1] for i in model.feature_layers], dim=-1)
-    drafter.begin(prompt, features)
+    features = layer_features(hidden_states, model.feature_layers)
+    state = drafter.start(prompt, features)
     sampling = SamplingConfig(temperature=1.0)
-    proposal = drafter.propose(last_token, 4, sampling, torch.Generator().manual_seed(0))
+    proposal = drafter.propose(state, last_token, 4, sampling, torch.Generator().manual_seed(0))
     sequence = torch.cat([prompt[0], torch.tensor([last_token]), proposal.tokens]).unsqueeze(0)
     row = prompt.shape[1] - 1
     padded = torch.nn.functional.pad(features, (0, 0, 0, sequence.shape[1] - features.shape[1]))
@@ -107,8 +104,8 @@ def test_drafts_outside_the_draft_vocabulary_have_no_mass(tiny_vocab_target):
     model = make_recursive("eagle3", tiny_vocab_target, draft_vocab_size=5)
     drafter = RecursiveDrafter(model, tiny_vocab_target, name="eagle3")
     features = tiny_vocab_target(PROMPT, output_hidden_states=True).hidden_states
-    drafter.begin(PROMPT, torch.cat([features[i + 1] for i in drafter.feature_layers], -1))
-    proposal = drafter.propose(4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    state = drafter.start(PROMPT, layer_features(features, drafter.feature_layers))
+    proposal = drafter.propose(state, 4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     outside = ~drafter.model.t2d
     assert torch.allclose(proposal.probs.sum(-1), torch.ones(3))
     assert (proposal.probs[:, outside] == 0).all() and drafter.model.t2d[proposal.tokens].all()
@@ -120,7 +117,7 @@ def test_drafts_outside_the_draft_vocabulary_have_no_mass(tiny_vocab_target):
 def saved(tmp_path):
     target = make_causal_lm("llama", vocab_size=320, seed=5)
     directories = {}
-    for kind in KINDS:
+    for kind in RECURSIVE_KINDS:
         model = make_recursive(kind, target, draft_vocab_size=120)
         model.save_pretrained(tmp_path / kind)
         directories[kind] = tmp_path / kind

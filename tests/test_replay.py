@@ -2,16 +2,14 @@
 
 import pytest
 import torch
-from conftest import make_dflash
-from test_lossless import MAX_NEW, hf_greedy, prompts
-from test_tree import NoisyOracle
-from tiny_models import make_causal_lm
 
 from blockspec.bench.replay import replay_acceptance
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
-from blockspec.models.dflash import DFlashDrafter
+from helpers import MAX_NEW, NoisyOracle, hf_greedy, make_causal_lm, make_dflash, prompts
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -89,7 +87,7 @@ def test_replay_from_a_bench_run_gives_its_taus(tiny_target_dir, tiny_draft_dir,
 
     from blockspec.bench.replay import recorded_answers
     from blockspec.cli import main
-    from blockspec.models import build_drafter
+    from blockspec.drafters.registry import build_drafter
     from blockspec.models.target import load_target
 
     out = tmp_path / "run"

@@ -1,8 +1,6 @@
 """The OpenAI-compatible server: the official client, dynamic batching, disconnects, errors, metrics."""
 
-import contextlib
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,47 +9,15 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from blockspec.models import build_drafter
-from blockspec.models.target import Target, load_target
-from blockspec.serve.app import create_app
+from blockspec.drafters.registry import build_drafter
+from blockspec.models.target import Target
 from blockspec.serve import engine as serve_engine
+from blockspec.serve.app import create_app
 from blockspec.serve.engine import StopStrings
+from helpers import load_served_target, running_server
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(app):
-    """Serve ``app`` with uvicorn in a background thread on a free loopback port; yields its URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-
-
-def load_served_target(directory) -> Target:
-    # float64: a batched forward and a one-row forward then cannot disagree by rounding.
-    target = load_target(str(directory), device="cpu")
-    target.model.double()
-    return target
 
 
 @dataclass
@@ -349,7 +315,8 @@ def test_serve_options_are_checked(tiny_target_dir, capsys):
 
 @pytest.mark.parametrize("options", [{"tree_budget": 8}, {"block_size": "auto"}], ids=["tree", "auto"])
 def test_per_sequence_decoding_serves_the_greedy_tokens_of_generate(tiny_target_dir, tiny_draft_dir, options):
-    from blockspec.decoding.generate import GenerationConfig, speculative_generate
+    from blockspec.decoding.generate import speculative_generate
+    from blockspec.decoding.sequence import GenerationConfig
     from blockspec.decoding.sequential import SequentialEngine
     from blockspec.serve.engine import DecodingOptions
 
@@ -372,7 +339,7 @@ def test_per_sequence_decoding_serves_the_greedy_tokens_of_generate(tiny_target_
 
 
 def test_the_sequential_engine_cancels_queued_and_running_rows(tiny_target_dir, tiny_draft_dir):
-    from blockspec.decoding.generate import GenerationConfig
+    from blockspec.decoding.sequence import GenerationConfig
     from blockspec.decoding.sequential import SequentialEngine
 
     target = load_served_target(tiny_target_dir)

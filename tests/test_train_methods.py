@@ -4,14 +4,14 @@ import copy
 
 import pytest
 import torch
-from test_trainer import small_config
 
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.models import build_drafter, detect_method
+from blockspec.drafters.registry import build_drafter, detect_method
 from blockspec.models.target import Target
 from blockspec.training.checkpoints import latest_checkpoint
 from blockspec.training.methods import frequent_tokens
 from blockspec.training.trainer import Trainer
+from helpers import small_config
 
 METHODS = ["eagle3", "mtp", "draft"]
 OPTIONS = {"eagle3": dict(draft_vocab_size=200, ttt_steps=3), "mtp": dict(draft_vocab_size=200, ttt_steps=3),

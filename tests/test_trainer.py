@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tokenizer
 
 from blockspec.models.dflash import load_dflash_model
-from blockspec.models.tokens import pick_mask_token
+from blockspec.tokens import pick_mask_token
 from blockspec.training import trainer as trainer_module
 from blockspec.training.anchors import build_blocks, loss_weights
 from blockspec.training.checkpoints import latest_checkpoint
 from blockspec.training.samples import TrainingSample, pad_batch
 from blockspec.training.trainer import TrainConfig, Trainer
+from helpers import first_response_cache, make_tokenizer, small_config
 
 # --- anchors, labels, weights and the block-sparse mask ------------------------------------
 
@@ -67,7 +67,7 @@ def test_a_training_block_gives_the_logits_the_drafter_computes_at_inference(lea
     """The block-sparse training forward and the cached inference pass agree, anchor by anchor."""
     import copy
 
-    from blockspec.models.dflash import DFlashDrafter
+    from blockspec.drafters.dflash import DFlashDrafter
     from blockspec.training.features import FeatureSource
     from blockspec.training.methods import DFlashTraining
 
@@ -94,8 +94,8 @@ def test_a_training_block_gives_the_logits_the_drafter_computes_at_inference(lea
             if blocks.weights[row, slot * 8: slot * 8 + 8].sum() == 0:
                 continue
             anchor = int(blocks.block_positions[row, slot * 8])
-            drafter.begin(ids[row:row + 1, :anchor], features[row:row + 1, :anchor])
-            inference = drafter.draft_logits(int(ids[row, anchor]), 7)
+            state = drafter.start(ids[row:row + 1, :anchor], features[row:row + 1, :anchor])
+            inference = drafter.draft_logits(state, int(ids[row, anchor]), 7)
             torch.testing.assert_close(inference, training_logits[row, slot * 8 + 1: slot * 8 + 8],
                                        rtol=1e-4, atol=1e-4)
             checked += 1
@@ -128,13 +128,6 @@ def test_the_loss_over_supervised_positions_equals_the_loss_over_the_whole_block
 def test_mask_token_is_a_spare_special_token():
     tokenizer = make_tokenizer()
     assert pick_mask_token(tokenizer, len(tokenizer)) == tokenizer.convert_tokens_to_ids("<|mask|>")
-
-
-def small_config(out, **overrides):
-    values = dict(out=str(out), num_layers=1, block_size=8, batch_size=4, lr=3e-3, anchors_per_sequence=6,
-                  max_steps=40, save_every=10, progress=False, eval_max_new_tokens=24)
-    values.update(overrides)
-    return TrainConfig(**values)
 
 
 def test_training_lowers_the_loss_and_raises_tau(learned_target, training_data, tmp_path):
@@ -425,7 +418,7 @@ def test_several_response_caches_are_pooled(learned_target, tmp_path):
     from blockspec.training.response_cache import read_cache
 
     target, _, prompts = learned_target
-    rows = [json.loads(line) for line in _first_cache(learned_target, tmp_path).read_text().splitlines()]
+    rows = [json.loads(line) for line in first_response_cache(learned_target, tmp_path).read_text().splitlines()]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for path, part in ((first, rows[:10]), (second, rows[5:])):
         path.write_text("".join(json.dumps(row) + "\n" for row in part))
@@ -436,16 +429,6 @@ def test_several_response_caches_are_pooled(learned_target, tmp_path):
     with pytest.raises(BlockspecError, match="several caches can only be read as they are"):
         prepare_samples(target, DataConfig(files=[str(prompts)], cache=[str(first), str(second)]),
                         tmp_path / "out", max_length=256)
-
-
-def _first_cache(learned_target, tmp_path) -> Path:
-    from blockspec.training.pipeline import DataConfig, prepare_samples
-
-    target, _, prompts = learned_target
-    out = tmp_path / "gen"
-    prepare_samples(target, DataConfig(files=[str(prompts)], max_new_tokens=8, held_out=4, num_prompts=24), out,
-                    max_length=256)
-    return out / "data" / "responses.jsonl"
 
 
 def test_features_are_kept_in_bf16_under_bf16_autocast_and_come_back_as_float32(learned_target, training_data,

@@ -8,14 +8,14 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_causal_lm, make_tokenizer
 
 from blockspec.errors import BlockspecError
-from blockspec.models.tokens import encode_prompt, stop_token_ids
+from blockspec.tokens import encode_prompt, stop_token_ids
 from blockspec.training.prompts import GSM8K_INSTRUCTION, PromptRecord, load_prompts
 from blockspec.training.response_cache import meta_path, read_cache
 from blockspec.training.responses import generate_responses, responses_from_data
 from blockspec.training.samples import load_samples
+from helpers import make_causal_lm, make_tokenizer
 
 
 def write_jsonl(path, rows):

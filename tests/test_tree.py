@@ -2,17 +2,32 @@
 
 import pytest
 import torch
-from conftest import make_dflash
-from test_lossless import MAX_NEW, hf_greedy, prompts
-from test_sampling import PASS, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, sampled_joint, small_target
-from tiny_models import make_causal_lm
 
-import test_sampling
-from blockspec.decoding.generate import GenerationConfig, speculative_generate
-from blockspec.sampling import SamplingConfig
-from blockspec.decoding.tree import Tree, build_tree, tree_attention_mask, tree_position_ids, verify_tree
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.policy import WidthPolicies
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.decoding.tree import Tree, build_tree, tree_attention_mask, tree_position_ids
+from blockspec.decoding.verifier import TargetScores, verify_tree
+from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import BlockspecError
-from blockspec.models.dflash import DFlashDrafter
+from blockspec.sampling import SamplingConfig
+from helpers import (
+    MAX_NEW,
+    PASS,
+    SAMPLES,
+    VOCAB,
+    FixedCosts,
+    NoisyOracle,
+    chi_square_pvalue,
+    decode,
+    exact_joint,
+    hf_greedy,
+    make_causal_lm,
+    make_dflash,
+    prompts,
+    sampled_joint,
+    small_target,
+)
 
 
 def test_each_node_sees_exactly_the_context_the_root_and_its_ancestors():
@@ -53,47 +68,8 @@ def test_greedy_walk_follows_the_target():
     logits[0, 6] = 5  # root -> node 1 (token 6)
     logits[2, 8] = 5  # node 1 -> node 3 (token 8)
     logits[4, 2] = 5  # after node 3: the target's own token 2
-    verdict = verify_tree(tree, logits, SamplingConfig(), None)
-    assert verdict.path == [1, 3] and verdict.next_token == 2
-
-
-class NoisyOracle:
-    """A drafter offering per-position distributions in which the true next token is often,
-    but not always, first: second place sends the chain astray and the tree to a sibling."""
-
-    name = "noisy-oracle"
-    feature_layers = None
-    max_draft_tokens = 7
-    default_block_size = 8
-
-    def __init__(self, reference, vocab, seed=0):
-        self.reference = reference
-        self.vocab = vocab
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def begin(self, prompt_ids, features):
-        self.position = prompt_ids.shape[1]
-
-    def commit(self, tokens, features):
-        self.position += tokens.shape[1]
-
-    def draft_logits(self, last_token, num_tokens):
-        start = self.position + 1
-        logits = torch.randn(num_tokens, self.vocab, generator=self.generator)
-        for k in range(num_tokens):
-            if start + k < len(self.reference):
-                true = self.reference[start + k]
-                rank = int(torch.randint(0, 3, (1,), generator=self.generator))  # 0: first, 1: second, 2: gone
-                boost = {0: 8.0, 1: 6.0, 2: -8.0}[rank]
-                logits[k, true] = boost
-                if rank == 1:
-                    logits[k, (true + 1) % self.vocab] = 7.0
-        return logits
-
-    def propose(self, last_token, num_tokens, sampling, generator):
-        from blockspec.decoding.drafter import Proposal
-
-        return Proposal(self.draft_logits(last_token, num_tokens).argmax(-1))
+    verdict = verify_tree(tree, TargetScores(logits), SamplingConfig(), None)
+    assert verdict.path == (1, 3) and verdict.next_token == 2
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -138,7 +114,7 @@ def test_tree_with_the_dflash_drafter_is_lossless(world):
 
 
 def test_trees_need_a_one_pass_drafter():
-    from blockspec.drafters import PromptLookupDrafter
+    from blockspec.drafters.ngram import PromptLookupDrafter
 
     target = make_causal_lm("llama", vocab_size=320)
     with pytest.raises(BlockspecError, match="needs the dflash drafter, not ngram"):
@@ -149,44 +125,33 @@ def test_trees_need_a_one_pass_drafter():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)])
-def test_sampling_with_trees_follows_the_target(sampling, monkeypatch):
+def test_sampling_with_trees_follows_the_target(sampling):
     target = small_target()
     model = make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5)
     with torch.no_grad():
         model.norm.weight.mul_(5.0)  # peaked drafts, so that candidates are accepted and rejected
     drafter = DFlashDrafter(model, target)
-    original = test_sampling.GenerationConfig
-    monkeypatch.setattr(test_sampling, "GenerationConfig",
-                        lambda **kw: original(**{**kw, "tree_budget": 5, "tree_top_k": 3}))
     probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
-    counts = sampled_joint(target, drafter, sampling, SAMPLES)
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, tree_budget=5, tree_top_k=3)
     assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
 
 
-def test_auto_chooses_how_much_of_the_tree_to_verify(world, monkeypatch):
-    import blockspec.decoding.generate as generate_module
-    from blockspec.decoding.adaptive import CostModel
-
+def test_auto_chooses_how_much_of_the_tree_to_verify(world):
     target, references = world
-    class FixedCosts(CostModel):  # synthetic costs: not to be "refined" by this machine's real timings
-        def observe(self, width, seconds):
-            pass
-
-    monkeypatch.setattr(generate_module, "cost_model_for",
-                        lambda model, width: FixedCosts([1.0 + 0.02 * w for w in range(width)]))
+    policies = WidthPolicies(lambda model, width: FixedCosts([1.0 + 0.02 * w for w in range(width)]))
     sizes = set()
     for ids, expected in references[:6]:
         drafter = NoisyOracle(ids[0].tolist() + expected, 320, seed=3)
         config = GenerationConfig(max_new_tokens=MAX_NEW, block_size="auto", tree_budget=32)
-        stream = speculative_generate(target, ids, drafter, config)
-        list(stream)
+        stream = decode(target, ids, drafter, config, width_policies=policies)
         assert stream.token_ids == expected
         sizes.update(stream.widths)
     assert len(sizes) > 1 and max(sizes) <= 33
 
 
 def test_the_tree_size_policy_weighs_reach_against_cost():
-    from blockspec.decoding.adaptive import AdaptiveWidth, CostModel
+    from blockspec.decoding.costs import CostModel
+    from blockspec.decoding.policy import AdaptiveWidth
 
     flat = AdaptiveWidth(CostModel([1.0] * 8))
     assert flat.choose_tree_size([0.9, 0.5, 0.9, 0.2], [-1, -1, 0, 2]) == 4  # free nodes: take them all

@@ -79,11 +79,13 @@ def run_bench_command(args) -> int:
         print(report.compare_runs(first, second, labels=tuple(args.compare)), end="")
         return 0
     from blockspec.bench.runner import BenchConfig, run_benchmark
+    from blockspec.decoding.sequence import GenerationConfig
 
-    config = BenchConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                         seed=args.seed if args.seed is not None else 0, warmup_tokens=args.warmup_tokens,
-                         use_chat_template=not args.no_chat_template, max_turns=args.max_turns)
+    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  seed=args.seed if args.seed is not None else 0)
+    config = BenchConfig(generation, warmup_tokens=args.warmup_tokens, use_chat_template=not args.no_chat_template,
+                         max_turns=args.max_turns)
     prompts = load_prompts(args.datasets, args.data_dir, args.num_prompts, args.seed)
     target, methods = load_methods(args)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -112,11 +114,12 @@ def run_bench_command(args) -> int:
 def write_calibration(methods, out: Path, *, plots: bool) -> dict[str, Path]:
     """The adaptive-width policies' confidence calibration (predicted vs observed acceptance), if any ran."""
     from blockspec.bench.methods import parse_method_name
+    from blockspec.decoding.policy import WidthPolicies
 
     curves = {}
-    drafters = {parse_method_name(m.name).drafter: m.drafter for m in methods if getattr(m, "drafter", None)}
-    for label, drafter in drafters.items():  # dflash and dflash/d2: two drafters of one name
-        for (kind, widest), policy in getattr(drafter, "width_policies", {}).items():
+    for method in methods:
+        label = parse_method_name(method.name).drafter  # dflash and dflash/d2: two drafters of one name
+        for (kind, widest), policy in getattr(method, "width_policies", WidthPolicies()).policies.items():
             curves[f"{label} {kind} (widest {widest})"] = policy.calibrator.curve()
     if not curves:
         return {}
@@ -149,7 +152,7 @@ def load_methods(args):
     from transformers.utils import logging as hf_logging
 
     from blockspec.bench.methods import build_methods, parse_method_name
-    from blockspec.models import CHECKPOINT_METHODS, DRAFT_METHODS, build_drafter
+    from blockspec.drafters.registry import CHECKPOINT_METHODS, DRAFT_METHODS, build_drafter
     from blockspec.models.target import load_target
 
     hf_logging.disable_progress_bar()
@@ -178,23 +181,18 @@ def load_methods(args):
 
 def parse_drafts(values: list[str], target: str) -> dict[str, str]:
     """``--draft`` values as {method: directory}; a bare directory is DFlash's."""
-    from blockspec.hub import DEFAULT_TARGET
-
-    from blockspec.models import DRAFT_METHODS
+    from blockspec.drafters.registry import DRAFTED_METHODS, shipped_draft
 
     drafts = {}
     for value in values:
         method, _, directory = value.rpartition("=") if "=" in value else ("dflash", "", value)
         if not directory:
             raise BlockspecError(f"--draft {value!r}: give DIR or METHOD=DIR")
-        if method not in DRAFT_METHODS or method == "ngram":
-            raise BlockspecError(f"--draft {value!r}: METHOD must be one of "
-                                 f"{', '.join(m for m in DRAFT_METHODS if m != 'ngram')}")
+        if method not in DRAFTED_METHODS:
+            raise BlockspecError(f"--draft {value!r}: METHOD must be one of {', '.join(DRAFTED_METHODS)}")
         drafts[method] = directory
-    if "dflash" not in drafts and target == DEFAULT_TARGET:
-        from blockspec.demo import default_draft_path
-
-        drafts["dflash"] = str(default_draft_path())
+    if "dflash" not in drafts and shipped_draft(target) is not None:
+        drafts["dflash"] = str(shipped_draft(target))
     return drafts
 
 

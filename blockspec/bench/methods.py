@@ -8,14 +8,15 @@ call Hugging Face ``generate`` as users run it, so the comparison includes its o
 from __future__ import annotations
 
 import dataclasses
-
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from blockspec.decoding.generate import GenerationConfig, speculative_generate, wall_clock
+from blockspec.clock import wall_clock
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.policy import WidthPolicies
+from blockspec.decoding.sequence import GenerationConfig
 from blockspec.errors import BlockspecError
 
 #: Methods that need no drafter and no second model.
@@ -42,12 +43,6 @@ class Decode:
     verified: list[int] = field(default_factory=list)
 
 
-class Method(Protocol):
-    name: str
-
-    def decode(self, prompt_ids: list[int], config: GenerationConfig) -> Decode: ...
-
-
 class LoopMethod:
     """blockspec's loop: autoregressive without a drafter, speculative with one."""
 
@@ -60,6 +55,8 @@ class LoopMethod:
         #: (``dflash@t32``), over the run's.
         self.block_size = block_size
         self.tree_budget = tree_budget
+        #: With an adaptive width: its calibration, carried over this method's prompts.
+        self.width_policies = WidthPolicies()
 
     def decode(self, prompt_ids, config):
         if self.block_size is not None:
@@ -67,7 +64,8 @@ class LoopMethod:
         if self.tree_budget is not None:
             config = dataclasses.replace(config, tree_budget=self.tree_budget)
         with MemoryMeter(self.model.device) as memory:
-            stream = speculative_generate(self.model, torch.tensor([prompt_ids]), self.drafter, config)
+            stream = speculative_generate(self.model, torch.tensor([prompt_ids]), self.drafter, config,
+                                          width_policies=self.width_policies)
             for _ in stream:
                 pass
         stats = stream.stats

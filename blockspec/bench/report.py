@@ -12,7 +12,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from blockspec.decoding.generate import acceptance_by_position
+from blockspec.decoding.sequence import acceptance_by_position
 from blockspec.errors import BlockspecError
 from blockspec.io import write_text_atomically
 

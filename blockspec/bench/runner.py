@@ -16,21 +16,18 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from blockspec.decoding.generate import GenerationConfig
+from blockspec.decoding.sequence import GenerationConfig
 from blockspec.errors import BlockspecError
+from blockspec.tokens import encode_prompt
 
 REFERENCE_METHOD = "ar"
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    max_new_tokens: int = 128
-    #: Verify width for the drafting methods (None: each drafter's default).
-    block_size: int | str | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = 0
+    #: How every method decodes (its block size goes to the drafting methods only; None: each
+    #: drafter's default); the stop ids are the target's.
+    generation: GenerationConfig = GenerationConfig(max_new_tokens=128, seed=0)
     #: New tokens per method in the warm-up decode (0: no warm-up).
     warmup_tokens: int = 16
     use_chat_template: bool = True
@@ -42,16 +39,19 @@ class BenchConfig:
             raise BlockspecError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
         if self.max_turns is not None and self.max_turns < 1:
             raise BlockspecError(f"max_turns must be >= 1, got {self.max_turns}")
-        self.generation_config(())  # validates the decoding values
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.generation.sampling.greedy
 
     def generation_config(self, stop_token_ids, *, drafting: bool = True) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, block_size=self.block_size if drafting else None,
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                stop_token_ids=tuple(stop_token_ids))
+        return replace(self.generation, block_size=self.generation.block_size if drafting else None,
+                       stop_token_ids=tuple(stop_token_ids))
+
+    def to_dict(self) -> dict:
+        """Flat, as results.json records it: the decoding settings beside the benchmark's own."""
+        settings = asdict(self)
+        return {**settings.pop("generation"), **settings}
 
 
 @dataclass
@@ -72,7 +72,7 @@ class BenchRun:
         return [r for r in self.records if r.get("matches_reference") is False]
 
     def to_dict(self) -> dict:
-        return {"target": self.target, "methods": self.methods, "config": asdict(self.config),
+        return {"target": self.target, "methods": self.methods, "config": self.config.to_dict(),
                 "environment": self.environment, "started": self.started, "seconds": self.seconds,
                 "interrupted": self.interrupted, "mismatches": len(self.mismatches), "records": self.records}
 
@@ -110,7 +110,7 @@ def run_benchmark(target, methods, prompts: list[dict], config: BenchConfig, *, 
 
 def _warm_up(target, methods, row: dict, config: BenchConfig) -> None:
     """A short decode per method, so that first-call costs do not land on the first prompt."""
-    short = replace(config, max_new_tokens=config.warmup_tokens, max_turns=1)
+    short = replace(config, generation=replace(config.generation, max_new_tokens=config.warmup_tokens), max_turns=1)
     for method in methods:
         _decode_conversation(target, method, row, short)
 
@@ -125,19 +125,12 @@ def _decode_conversation(target, method, row: dict, config: BenchConfig) -> list
     results = []
     for turn in turns:
         history.append({"role": "user", "content": turn})
-        prompt_ids = encode_history(target, history, config.use_chat_template)
+        prompt_ids = encode_prompt(target.tokenizer, history, use_chat_template=config.use_chat_template)
         decode = method.decode(prompt_ids, generation)
         reply = target.tokenizer.decode(decode.token_ids, skip_special_tokens=True)
         history.append({"role": "assistant", "content": reply})
         results.append({"prompt_ids": prompt_ids, "decode": decode})
     return results
-
-
-def encode_history(target, history: list[dict], use_chat_template: bool) -> list[int]:
-    if use_chat_template and target.tokenizer.chat_template:
-        return target.encode_prompt(history)
-    text = "\n\n".join(message["content"] for message in history)
-    return target.encode_prompt(text, use_chat_template=False)
 
 
 def _record(row: dict, method: str, turns: list[dict], reference: list[dict] | None, config: BenchConfig) -> dict:

@@ -1,9 +1,3 @@
-"""Decoding: sampling, the one verifier, the drafter protocol and the speculative loop."""
-
-from blockspec.decoding.drafter import Drafter, Proposal
-from blockspec.decoding.generate import GenerationConfig, GenerationStats, Step, TokenStream, speculative_generate
-from blockspec.sampling import SamplingConfig
-from blockspec.decoding.verifier import Verdict, verify
-
-__all__ = ["Drafter", "GenerationConfig", "GenerationStats", "Proposal", "SamplingConfig", "Step",
-           "TokenStream", "Verdict", "speculative_generate", "verify"]
+"""Decoding: the one step (draft -> verify -> accept -> commit), the verifier for chains and trees,
+the target's caches and their rollback, the adaptive width policy, and the drivers of the step
+(one sequence's stream, the batch engine, one-at-a-time serving, text in and out)."""

@@ -3,41 +3,22 @@
 Token trees and the adaptive width choose each step's verify shape from one sequence's own
 draft (which nodes, how wide), so rows cannot share one padded verify forward. A server run
 with those options queues its requests here instead: first come, first decoded, each through
-the same loop ``blockspec generate`` uses, with one drafter whose width calibration carries
-over from request to request.
+the same loop ``blockspec generate`` uses, with width policies whose calibration carries over
+from request to request.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterator
 
-from blockspec.decoding.batch import BatchEvent
-from blockspec.decoding.drafter import Drafter
-from blockspec.decoding.generate import GenerationConfig, GenerationStats, Step, TokenStream, _as_batch_of_one
-
-
-@dataclass
-class SequenceRow:
-    """A queued or running sequence; ``stats`` fill in as its stream runs."""
-
-    id: int
-    stream: TokenStream
-    steps: Iterator[Step] | None = field(default=None, repr=False)
-
-    @property
-    def stats(self) -> GenerationStats:
-        return self.stream.stats
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.stream.token_ids
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.stream.stats.finish_reason)
+from blockspec.clock import wall_clock
+from blockspec.decoding.batch import BatchEvent, Row
+from blockspec.decoding.generate import TokenStream
+from blockspec.decoding.policy import WidthPolicies
+from blockspec.decoding.sequence import GenerationConfig, Step
+from blockspec.drafters.base import Drafter
 
 
 class SequentialEngine:
@@ -45,12 +26,16 @@ class SequentialEngine:
 
     max_batch_size = 1
 
-    def __init__(self, target_model, drafter: Drafter | None = None):
+    def __init__(self, target_model, drafter: Drafter | None = None, *,
+                 width_policies: WidthPolicies | None = None):
         self.model = target_model
         self.drafter = drafter
-        self.rows: list[SequenceRow] = []
-        self.waiting: deque[SequenceRow] = deque()
+        self.width_policies = width_policies if width_policies is not None else WidthPolicies()
+        self.rows: list[Row] = []
+        self.waiting: deque[Row] = deque()
         self.batch_sizes: list[int] = []
+        self._streams: dict[int, TokenStream] = {}
+        self._steps: dict[int, Iterator[Step]] = {}
         self._ids = itertools.count()
         self._cancelled: set[int] = set()
 
@@ -63,32 +48,33 @@ class SequentialEngine:
         return 1 - len(self.rows) - len(self.waiting)
 
     def fresh(self) -> "SequentialEngine":
-        """An empty engine over the same model and drafter (after a failed step)."""
-        return SequentialEngine(self.model, self.drafter)
+        """An empty engine over the same model, drafter and width calibration (after a failed step)."""
+        return SequentialEngine(self.model, self.drafter, width_policies=self.width_policies)
 
-    def add(self, input_ids, config: GenerationConfig | None = None) -> SequenceRow:
+    def add(self, input_ids, config: GenerationConfig | None = None) -> Row:
         """Queue one sequence (ids [T] or [1, T]); its options are checked now, not when its turn comes."""
-        stream = TokenStream(self.model, _as_batch_of_one(input_ids, self.model.device), self.drafter,
-                             config or GenerationConfig())
-        row = SequenceRow(next(self._ids), stream)
+        stream = TokenStream(self.model, input_ids, self.drafter, config or GenerationConfig(),
+                             width_policies=self.width_policies)
+        row = Row(next(self._ids), stream.sequence, wall_clock(self.model.device))
+        self._streams[row.id] = stream
         self.waiting.append(row)
         return row
 
-    def cancel(self, row: SequenceRow | int) -> None:
+    def cancel(self, row: Row | int) -> None:
         """Drop a row (queued or running) before the next step; it yields nothing more."""
         self._cancelled.add(row if isinstance(row, int) else row.id)
 
     def step(self) -> list[BatchEvent]:
-        """One loop step of the running sequence (starting the next queued one if none runs)."""
+        """One step of the running sequence (starting the next queued one if none runs)."""
         self._drop_cancelled()
         if not self.rows and self.waiting:
             row = self.waiting.popleft()
-            row.steps = iter(row.stream)
+            self._steps[row.id] = iter(self._streams[row.id])
             self.rows.append(row)
         if not self.rows:
             return []
         row = self.rows[0]
-        step = next(row.steps)
+        step = next(self._steps[row.id])
         if row.stats.acceptance_lengths:  # a decode step, not the prefill
             self.batch_sizes.append(1)
         if row.finished:
@@ -107,11 +93,14 @@ class SequentialEngine:
             row.stats.finish_reason = "cancelled"
             if row in self.waiting:
                 self.waiting.remove(row)
+                self._streams.pop(row.id)
             else:
                 self._close(row)
         self._cancelled.clear()
 
-    def _close(self, row: SequenceRow) -> None:
-        if row.steps is not None:
-            row.steps.close()  # leaves the stream's inference-mode block
+    def _close(self, row: Row) -> None:
+        steps = self._steps.pop(row.id, None)
+        if steps is not None:
+            steps.close()  # leaves the stream's inference-mode block
+        self._streams.pop(row.id, None)
         self.rows.remove(row)

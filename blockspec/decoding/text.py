@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from blockspec.decoding.drafter import Drafter
-from blockspec.decoding.generate import GenerationConfig, GenerationStats, TokenStream, speculative_generate
+from blockspec.decoding.generate import TokenStream, speculative_generate
+from blockspec.decoding.policy import WidthPolicies
+from blockspec.decoding.sequence import GenerationConfig, GenerationStats
+from blockspec.drafters.base import Drafter
 from blockspec.models.target import Target
 
 
@@ -72,22 +74,27 @@ class TextStream:
     @property
     def result(self) -> GenerationResult:
         return GenerationResult(self.detokenizer.text, list(self.tokens.token_ids),
-                                self.tokens.input_ids[0].tolist(), self.tokens.stats)
+                                self.tokens.sequence.input_ids[0].tolist(), self.tokens.stats)
 
 
 def stream_text(target: Target, prompt, drafter: Drafter | None = None, config: GenerationConfig | None = None,
-                *, use_chat_template: bool = True) -> TextStream:
-    """Stream the continuation of ``prompt`` (text, chat messages or token ids)."""
+                *, use_chat_template: bool = True, width_policies: WidthPolicies | None = None) -> TextStream:
+    """Stream the continuation of ``prompt`` (text, chat messages or token ids).
+
+    ``width_policies``: the adaptive width's calibration, to carry it over prompts (see ``TokenStream``).
+    """
     config = config or GenerationConfig()
     if not config.stop_token_ids:
         config = replace(config, stop_token_ids=target.stop_token_ids())
     ids = target.encode_prompt(prompt, use_chat_template)
-    return TextStream(target, speculative_generate(target.model, ids, drafter, config))
+    return TextStream(target, speculative_generate(target.model, ids, drafter, config,
+                                                    width_policies=width_policies))
 
 
 def generate_text(target: Target, prompt, drafter: Drafter | None = None, config: GenerationConfig | None = None,
-                  *, use_chat_template: bool = True) -> GenerationResult:
-    stream = stream_text(target, prompt, drafter, config, use_chat_template=use_chat_template)
+                  *, use_chat_template: bool = True, width_policies: WidthPolicies | None = None) -> GenerationResult:
+    stream = stream_text(target, prompt, drafter, config, use_chat_template=use_chat_template,
+                         width_policies=width_policies)
     for _ in stream:
         pass
     return stream.result

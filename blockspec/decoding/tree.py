@@ -7,13 +7,8 @@ parent's, so the best nodes always form a tree). The target verifies all nodes a
 4D attention mask lets each node see the cached context, the root and its own ancestors
 only, and each node's position id is its depth after the root.
 
-Acceptance walks down from the root. Greedy: follow the child whose token is the target's
-argmax. Sampling: the children of a node are fixed candidates c1, c2, ... tried in turn;
-c_i is accepted with probability p_i(c_i), where p_1 = p and p_{i+1} is p_i with c_i
-removed and renormalised; if none is accepted the token is drawn from the last p_i. The
-token emitted is then distributed exactly as p (the first candidate with probability
-p(c1); the next, (1 - p(c1)) * p(c2) / (1 - p(c1)); and so on), so the output follows the
-target's distribution. Only the accepted path's KV entries and features are kept.
+Acceptance (``blockspec.decoding.verifier.verify_tree``) walks down from the root; only the
+accepted path's KV entries and features are kept.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.sampling import SamplingConfig, sample_from, sampling_probs
 from blockspec.errors import BlockspecError
 
 
@@ -116,54 +110,3 @@ def tree_attention_mask(tree: Tree, past_length: int, dtype, device) -> torch.Te
 def tree_position_ids(tree: Tree, start: int, device) -> torch.LongTensor:
     """Position of the root (``start``) and of each node (start + depth), [1, 1 + n]."""
     return torch.tensor([[start] + [start + d for d in tree.depths]], device=device)
-
-
-@dataclass
-class TreeVerdict:
-    path: list[int]  # accepted node indices, root's child first
-    next_token: int  # the target's token after the accepted path
-
-
-def verify_tree(tree: Tree, target_logits: torch.Tensor, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> TreeVerdict:
-    """Walk down the tree: target_logits [1 + n, V], row 0 the root's, row 1 + i node i's."""
-    path, row = [], 0
-    node = -1
-    while True:
-        children = tree.children(node)
-        if sampling.greedy:
-            best = int(target_logits[row].argmax())
-            match = next((c for c in children if tree.tokens[c] == best), None)
-            if match is None:
-                return TreeVerdict(path, best)
-        else:
-            match, token = _accept_among(children, tree, sampling_probs(target_logits[row], sampling), generator)
-            if match is None:
-                return TreeVerdict(path, token)
-        path.append(match)
-        node, row = match, 1 + match
-
-
-def _accept_among(children, tree: Tree, probs: torch.Tensor, generator):
-    """Try each candidate child in turn (exact multi-candidate rejection); (child, None) or (None, token)."""
-    p = probs.clone()
-    for child in children:
-        token = tree.tokens[child]
-        mass = float(p[token])
-        if mass > 0 and float(torch.rand((), generator=generator, device=p.device)) < mass:
-            return child, None
-        p[token] = 0.0
-        total = float(p.sum())
-        if total <= 0:  # only reachable through rounding: every token with mass was a candidate
-            break
-        p = p / total
-    return None, int(sample_from(p, generator))
-
-
-def keep_path(cache, past_length: int, kept_rows: list[int]) -> None:
-    """Keep, after the ``past_length`` cached entries, only the given rows of the verified block, in order."""
-    index = torch.tensor(kept_rows, dtype=torch.long)
-    for layer in cache.layers:
-        keep = index.to(layer.keys.device) + past_length
-        layer.keys = torch.cat([layer.keys[:, :, :past_length], layer.keys.index_select(2, keep)], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :past_length], layer.values.index_select(2, keep)], dim=2)

@@ -147,7 +147,8 @@ def run_setting(model, tokenizer, rows, prompt_ids, name: str, config: Diffusion
 def run_autoregressive(target_model, tokenizer, rows, prompt_ids, gen_length: int, *,
                        progress: bool = True) -> SettingResult:
     """The AR target through blockspec's own loop (greedy, one forward per token)."""
-    from blockspec.decoding.generate import GenerationConfig, speculative_generate
+    from blockspec.decoding.generate import speculative_generate
+    from blockspec.decoding.sequence import GenerationConfig
 
     result = SettingResult(AR_NAME)
     config = GenerationConfig(max_new_tokens=gen_length)

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from blockspec.sampling import SamplingConfig, sampling_probs
 from blockspec.dllm.model import BIDIRECTIONAL, BLOCK_CAUSAL, answer_blocks, block_causal_mask
 from blockspec.dllm.schedule import Scheduler
 from blockspec.errors import BlockspecError
+from blockspec.sampling import SamplingConfig, sampling_probs
 
 CACHE_MODES = ("none", "prefix", "dual", "exact")
 

@@ -56,7 +56,7 @@ from blockspec.dllm.model import (
 )
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import load_pretrained_strict
-from blockspec.models.tokens import encode_prompt, pick_mask_token, response_end_id
+from blockspec.tokens import encode_prompt, pick_mask_token, response_end_id
 from blockspec.training.checkpoints import latest_checkpoint
 from blockspec.training.loop import SampleOrder, StepResult, TrainingLoop, TrainState
 from blockspec.training.prompts import load_prompts

@@ -9,13 +9,15 @@ the target, and that distribution goes to the verifier, so rejection sampling is
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from transformers import DynamicCache
 
-from blockspec.decoding.drafter import Proposal
-from blockspec.decoding.generate import positions
-from blockspec.sampling import pick_draft
+from blockspec.drafters.base import Drafter, Proposal
 from blockspec.errors import BlockspecError, IncompatibleDraftError
+from blockspec.models.target import position_ids
+from blockspec.sampling import pick_draft
 
 # Each draft token is one sequential forward of the draft model, so long chains cost
 # draft time just as acceptance falls off: 4 drafts per step (Leviathan et al. use 3 to 7).
@@ -23,12 +25,19 @@ DEFAULT_BLOCK_SIZE = 5
 _SHOWN_MISMATCHES = 3
 
 
-class DraftModelDrafter:
+@dataclass
+class DraftLMState:
+    """One sequence: the tokens the target kept, and the draft's KV cache with the tokens in it."""
+
+    cache: DynamicCache
+    tokens: list[int]
+    cached_tokens: list[int] = field(default_factory=list)
+
+
+class DraftModelDrafter(Drafter):
     """A small LM behind the drafter protocol."""
 
     name = "draft"
-    feature_layers = None
-    max_draft_tokens = None
 
     def __init__(self, draft_model, target_model, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  sample_drafts: bool = True):
@@ -42,25 +51,22 @@ class DraftModelDrafter:
         #: At temperature > 0: sample drafts from q and use full rejection sampling (True),
         #: or draft greedily and accept with probability p(draft) (False).
         self.sample_drafts = sample_drafts
-        self.tokens: list[int] = []
-        self.cached_tokens: list[int] = []
 
     @torch.inference_mode()
-    def begin(self, prompt_ids, features):
-        self.cache = DynamicCache(config=self.model.config)
-        self.tokens = prompt_ids[0].tolist()
-        self.cached_tokens = []
-        self._next_logits(self.tokens)  # the prefill
+    def start(self, prompt_ids, features) -> DraftLMState:
+        state = DraftLMState(DynamicCache(config=self.model.config), prompt_ids[0].tolist())
+        self._next_logits(state, state.tokens)  # the prefill
+        return state
 
     @torch.inference_mode()
-    def propose(self, last_token, num_tokens, sampling, generator) -> Proposal:
+    def propose(self, state: DraftLMState, last_token, num_tokens, sampling, generator) -> Proposal:
         if num_tokens == 0:
             return Proposal.empty(self.device)
         sampled = not sampling.greedy and self.sample_drafts
-        feed = self.tokens[len(self.cached_tokens):] + [last_token]
+        feed = state.tokens[len(state.cached_tokens):] + [last_token]
         drafts, probs, confidence = [], [], []
         for _ in range(num_tokens):
-            token, q, p = pick_draft(self._next_logits(feed), sampling, generator, sampled)
+            token, q, p = pick_draft(self._next_logits(state, feed), sampling, generator, sampled)
             drafts.append(token)
             probs.append(q)
             confidence.append(p)
@@ -68,21 +74,21 @@ class DraftModelDrafter:
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
         return Proposal(tokens, torch.stack(probs) if sampled else None, torch.tensor(confidence))
 
-    def commit(self, tokens, features):
-        verified = len(self.tokens)
-        self.tokens.extend(tokens[0].tolist())
-        kept = verified + _common_prefix(self.cached_tokens[verified:], self.tokens[verified:])
-        if kept < len(self.cached_tokens):
-            self.cache.crop(kept - len(self.cached_tokens))
-            del self.cached_tokens[kept:]
+    def commit(self, state: DraftLMState, tokens, features) -> None:
+        verified = len(state.tokens)
+        state.tokens.extend(tokens[0].tolist())
+        kept = verified + _common_prefix(state.cached_tokens[verified:], state.tokens[verified:])
+        if kept < len(state.cached_tokens):
+            state.cache.crop(kept - len(state.cached_tokens))
+            del state.cached_tokens[kept:]
 
-    def _next_logits(self, new_tokens: list[int]) -> torch.Tensor:
+    def _next_logits(self, state: DraftLMState, new_tokens: list[int]) -> torch.Tensor:
         """Feed tokens to the draft; its logits [V_target] for the token after them."""
-        start = len(self.cached_tokens)
+        start = len(state.cached_tokens)
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, position_ids=positions(start, len(new_tokens), self.device),
-                         cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.cached_tokens.extend(new_tokens)
+        out = self.model(input_ids=ids, position_ids=position_ids(start, len(new_tokens), self.device),
+                         cache=state.cache, use_cache=True, logits_to_keep=1)
+        state.cached_tokens.extend(new_tokens)
         return _fit_vocabulary(out.logits[0, -1].float(), self.vocab_size)
 
 
@@ -125,13 +131,12 @@ def check_compatible(draft_tokenizer, target_tokenizer, *, draft_name: str = "th
     )
 
 
-def load_draft_model_drafter(name_or_path, target, device=None, dtype=None, *,
-                             block_size: int = DEFAULT_BLOCK_SIZE, sample_drafts: bool = True) -> DraftModelDrafter:
+def build(name_or_path, target, *, block_size: int = DEFAULT_BLOCK_SIZE,
+          sample_drafts: bool = True) -> DraftModelDrafter:
     """A draft LM (a directory or a known model name) on the target's device and dtype."""
     from blockspec.models.target import load_target
 
-    draft = load_target(str(name_or_path), device=device or target.device, dtype=dtype or target.model.dtype,
-                        role="draft")
+    draft = load_target(str(name_or_path), device=target.device, dtype=target.model.dtype, role="draft")
     check_compatible(draft.tokenizer, target.tokenizer, draft_name=f"the draft model {name_or_path}")
     rows = draft.model.get_input_embeddings().weight.shape[0]
     if rows < len(target.tokenizer):

@@ -7,11 +7,11 @@ token is indexed once, so a lookup costs O(max_ngram) however long the context i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.decoding.drafter import Proposal
+from blockspec.drafters.base import Drafter, Proposal
 from blockspec.errors import BlockspecError
 
 # Copied spans are often long (code, quoted text), but on a CPU every extra verify
@@ -34,63 +34,76 @@ class PromptLookupConfig:
             raise BlockspecError(f"block_size must be >= 1, got {self.block_size}")
 
 
-class PromptLookupDrafter:
+@dataclass
+class LookupState:
+    """One sequence: its tokens so far and where each n-gram's most recent occurrence ended."""
+
+    device: torch.device
+    tokens: list[int] = field(default_factory=list)
+    #: n-gram -> the position right after its most recent occurrence that has a successor.
+    continuations: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: Whether ``propose`` already added the last token (the next commit starts with it).
+    holds_last_token: bool = False
+
+
+class PromptLookupDrafter(Drafter):
     """Proposes the continuation of the most recent earlier match of the longest suffix n-gram."""
 
     name = "ngram"
-    feature_layers = None
-    max_draft_tokens = None
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, block_size: int = DEFAULT_BLOCK_SIZE):
         self.config = PromptLookupConfig(max_ngram, min_ngram, block_size)
         self.default_block_size = block_size
-        self.tokens: list[int] = []
-        #: n-gram -> the position right after its most recent occurrence that has a successor.
-        self.continuations: dict[tuple[int, ...], int] = {}
-        self.holds_last_token = False
-        self.device = torch.device("cpu")
 
-    def begin(self, prompt_ids, features):
-        self.device = prompt_ids.device
-        self.tokens, self.continuations = [], {}
-        self.holds_last_token = False
-        self._extend(prompt_ids[0].tolist())
+    def start(self, prompt_ids, features) -> LookupState:
+        state = LookupState(prompt_ids.device)
+        self._extend(state, prompt_ids[0].tolist())
+        return state
 
-    def propose(self, last_token, num_tokens, sampling, generator) -> Proposal:
-        if not self.holds_last_token:
-            self._extend([last_token])
-            self.holds_last_token = True
-        draft = self.lookup(num_tokens)
-        return Proposal(torch.tensor(draft, dtype=torch.long, device=self.device))
+    def propose(self, state: LookupState, last_token, num_tokens, sampling, generator) -> Proposal:
+        if not state.holds_last_token:
+            self._extend(state, [last_token])
+            state.holds_last_token = True
+        draft = self.lookup(state, num_tokens)
+        return Proposal(torch.tensor(draft, dtype=torch.long, device=state.device))
 
-    def commit(self, tokens, features):
+    def commit(self, state: LookupState, tokens, features) -> None:
         new = tokens[0].tolist()
         # tokens[0] is the last token, which ``propose`` has already added to the history.
-        self._extend(new[1:] if self.holds_last_token else new)
-        self.holds_last_token = False
+        self._extend(state, new[1:] if state.holds_last_token else new)
+        state.holds_last_token = False
 
-    def lookup(self, num_tokens: int) -> list[int]:
+    def lookup(self, state: LookupState, num_tokens: int) -> list[int]:
         """Up to ``num_tokens`` tokens following the longest suffix n-gram's latest earlier match."""
-        for n in range(min(self.config.max_ngram, len(self.tokens)), self.config.min_ngram - 1, -1):
-            start = self.continuations.get(tuple(self.tokens[-n:]))
+        tokens = state.tokens
+        for n in range(min(self.config.max_ngram, len(tokens)), self.config.min_ngram - 1, -1):
+            start = state.continuations.get(tuple(tokens[-n:]))
             if start is not None:
-                return self._copy_from(start, num_tokens)
+                return _copy_from(tokens, start, num_tokens)
         return []
 
-    def _copy_from(self, start: int, num_tokens: int) -> list[int]:
-        # Copy as LZ77 does: a match close to the end overlaps the draft itself, which
-        # continues a repeating pattern instead of stopping at the end of the history.
-        history = len(self.tokens)
-        draft: list[int] = []
-        for i in range(start, start + num_tokens):
-            draft.append(self.tokens[i] if i < history else draft[i - history])
-        return draft
-
-    def _extend(self, new_tokens: list[int]) -> None:
+    def _extend(self, state: LookupState, new_tokens: list[int]) -> None:
         """Append tokens, indexing the n-grams that each new token follows."""
         low, high = self.config.min_ngram, self.config.max_ngram
+        tokens = state.tokens
         for token in new_tokens:
-            end = len(self.tokens)  # the n-grams ending just before ``token`` now have a successor
+            end = len(tokens)  # the n-grams ending just before ``token`` now have a successor
             for n in range(low, min(high, end) + 1):
-                self.continuations[tuple(self.tokens[end - n:end])] = end
-            self.tokens.append(token)
+                state.continuations[tuple(tokens[end - n:end])] = end
+            tokens.append(token)
+
+
+def _copy_from(tokens: list[int], start: int, num_tokens: int) -> list[int]:
+    # Copy as LZ77 does: a match close to the end overlaps the draft itself, which
+    # continues a repeating pattern instead of stopping at the end of the history.
+    history = len(tokens)
+    draft: list[int] = []
+    for i in range(start, start + num_tokens):
+        draft.append(tokens[i] if i < history else draft[i - history])
+    return draft
+
+
+def build(draft, target, *, max_ngram: int = 3, min_ngram: int = 1,
+          block_size: int = DEFAULT_BLOCK_SIZE) -> PromptLookupDrafter:
+    """Prompt lookup for any target (``draft`` is always None: nothing to load)."""
+    return PromptLookupDrafter(max_ngram, min_ngram, block_size)

@@ -10,19 +10,30 @@ target's real features again).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from blockspec.decoding.drafter import Proposal
-from blockspec.decoding.generate import positions
-from blockspec.sampling import pick_draft
+from blockspec.drafters.base import Drafter, Proposal
 from blockspec.errors import IncompatibleDraftError
 from blockspec.models.recursive import RecursiveDraftModel
+from blockspec.models.target import position_ids
+from blockspec.sampling import pick_draft
 
 
-class RecursiveDrafter:
+@dataclass
+class RecursiveState:
+    """One sequence: its tokens, the draft layer's persistent cache, and the features not yet fed to it."""
+
+    tokens: list[int]
+    pending: torch.Tensor | None
+    #: Keys/values of the rows already fed (row i pairs the feature at i with token i + 1).
+    past: tuple[torch.Tensor, torch.Tensor] | None = None
+    fed: int = 0
+
+
+class RecursiveDrafter(Drafter):
     """An EAGLE-3 or MTP draft model drafting token by token with its own KV cache."""
-
-    max_draft_tokens = None
 
     def __init__(self, model: RecursiveDraftModel, target_model, *, name: str, block_size: int | None = None,
                  sample_drafts: bool = True):
@@ -43,27 +54,25 @@ class RecursiveDrafter:
         self.sample_drafts = sample_drafts
         self.device = param.device
 
-    def begin(self, prompt_ids, features):
-        self.tokens = prompt_ids[0].tolist()
-        self.past = None
-        self.fed = 0  # rows already in the persistent cache
-        self.pending = features  # features of rows fed .. len(tokens) - 1
+    def start(self, prompt_ids, features) -> RecursiveState:
+        return RecursiveState(prompt_ids[0].tolist(), features)
 
-    def commit(self, tokens, features):
-        self.tokens.extend(tokens[0].tolist())
-        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+    def commit(self, state: RecursiveState, tokens, features) -> None:
+        state.tokens.extend(tokens[0].tolist())
+        state.pending = features if state.pending is None else torch.cat([state.pending, features], dim=1)
 
     @torch.inference_mode()
-    def propose(self, last_token, num_tokens, sampling, generator) -> Proposal:
+    def propose(self, state: RecursiveState, last_token, num_tokens, sampling, generator) -> Proposal:
         if num_tokens == 0:
             return Proposal.empty(self.device)
-        hidden = self._feed_pending(last_token)[:, -1:]
-        past, position, token = self.past, len(self.tokens) - 1, last_token
+        hidden = self._feed_pending(state, last_token)[:, -1:]
+        past, position, token = state.past, len(state.tokens) - 1, last_token
         sampled = not sampling.greedy and self.sample_drafts
         drafts, probs, confidence = [], [], []
         for step in range(num_tokens):
             if step > 0:
-                hidden, new = self.model.step(self._embed([token]), hidden, positions(position, 1, self.device), past)
+                hidden, new = self.model.step(self._embed([token]), hidden, position_ids(position, 1, self.device),
+                                              past)
                 past = _append(past, new)
             logits = self._full_vocabulary(self.model.head_logits(hidden[0, -1]).float())
             token, q, p = pick_draft(logits, sampling, generator, sampled)
@@ -74,16 +83,16 @@ class RecursiveDrafter:
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
         return Proposal(tokens, torch.stack(probs) if sampled else None, torch.tensor(confidence))
 
-    def _feed_pending(self, last_token: int) -> torch.Tensor:
+    def _feed_pending(self, state: RecursiveState, last_token: int) -> torch.Tensor:
         """Put every row whose next token is known into the persistent cache; their output hidden states."""
-        start, count = self.fed, self.pending.shape[1]
-        next_tokens = (self.tokens + [last_token])[start + 1: start + count + 1]
+        start, count = state.fed, state.pending.shape[1]
+        next_tokens = (state.tokens + [last_token])[start + 1: start + count + 1]
         mask = _causal(count, start, self.device)
-        hidden, new = self.model.step(self._embed(next_tokens), self.model.fuse(self.pending),
-                                      positions(start, count, self.device), self.past, mask)
-        self.past = _append(self.past, new)
-        self.fed += count
-        self.pending = None
+        hidden, new = self.model.step(self._embed(next_tokens), self.model.fuse(state.pending),
+                                      position_ids(start, count, self.device), state.past, mask)
+        state.past = _append(state.past, new)
+        state.fed += count
+        state.pending = None
         return hidden
 
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
@@ -131,12 +140,17 @@ def check_fits_target(model: RecursiveDraftModel, target_config, *, draft_name: 
                                      f"(output-of-layer indices), outside the target's 0..{layers - 1}")
 
 
-def load_recursive_drafter(directory, target_model, method: str, *, block_size: int | None = None,
-                           sample_drafts: bool = True) -> RecursiveDrafter:
-    """An EAGLE-3 (``method`` eagle3) or MTP (mtp) drafter from its checkpoint directory."""
-    if method == "eagle3":
-        from blockspec.models.eagle3 import load_eagle3_model as load
-    else:
-        from blockspec.models.mtp import load_mtp_model as load
-    return RecursiveDrafter(load(directory), target_model, name=method, block_size=block_size,
+def build_eagle3(directory, target, *, block_size: int | None = None, sample_drafts: bool = True) -> RecursiveDrafter:
+    """An EAGLE-3 drafter for ``target`` (a ``Target``) from its checkpoint directory."""
+    from blockspec.models.eagle3 import load_eagle3_model
+
+    return RecursiveDrafter(load_eagle3_model(directory), target.model, name="eagle3", block_size=block_size,
+                            sample_drafts=sample_drafts)
+
+
+def build_mtp(directory, target, *, block_size: int | None = None, sample_drafts: bool = True) -> RecursiveDrafter:
+    """An MTP drafter for ``target`` (a ``Target``) from its checkpoint directory."""
+    from blockspec.models.mtp import load_mtp_model
+
+    return RecursiveDrafter(load_mtp_model(directory), target.model, name="mtp", block_size=block_size,
                             sample_drafts=sample_drafts)

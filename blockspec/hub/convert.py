@@ -7,6 +7,7 @@ from typing import Any
 
 from blockspec.errors import BlockspecError
 from blockspec.hub.progress import library_progress_bars
+from blockspec.tokens import stop_token_ids
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
@@ -59,8 +60,6 @@ def detach_gguf_quantizer(model: Any) -> None:
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """What ends a response of the converted model, written into its generation config: the
     generation config's and the tokenizer's eos and the chat template's end-of-turn tokens."""
-    from blockspec.models.tokens import stop_token_ids  # here: importing blockspec.models loads torch
-
     ids = stop_token_ids(tokenizer, model.generation_config)
     if not ids:
         raise BlockspecError("the converted model has no end-of-sequence token")

@@ -10,9 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockspec.errors import BlockspecError
-from blockspec.models.tokens import encode_prompt, has_chat_template, is_chat, stop_token_ids
-
-TESTED_FAMILIES = ("llama", "qwen2", "qwen3")
+from blockspec.tokens import encode_prompt, has_chat_template, is_chat, stop_token_ids
 
 
 @dataclass
@@ -24,10 +22,6 @@ class Target:
     @property
     def device(self) -> torch.device:
         return self.model.device
-
-    @property
-    def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
 
     @property
     def context_length(self) -> int | None:

@@ -19,13 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.decoding.generate import GenerationConfig, check_tree_drafter, resolve_block_size
+from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
-from blockspec.serve.schemas import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                     bad_request)
+from blockspec.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request
 
 #: Completion length when a chat request gives none and the model states no context.
 _DEFAULT_CHAT_TOKENS = 4096

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
-from blockspec.decoding.batch import BatchEngine, BatchRow, drafter_factory
-from blockspec.decoding.adaptive import AUTO
-from blockspec.decoding.generate import GenerationConfig, GenerationStats
-from blockspec.decoding.sequential import SequenceRow, SequentialEngine
+from blockspec.decoding.batch import BatchEngine, Row
+from blockspec.decoding.policy import AUTO
+from blockspec.decoding.sequence import GenerationConfig, GenerationStats
+from blockspec.decoding.sequential import SequentialEngine
 from blockspec.decoding.text import Detokenizer
 from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
 from blockspec.serve.metrics import ServerMetrics
@@ -74,7 +74,7 @@ class Submission:
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
-    row: BatchRow | SequenceRow | None = None
+    row: Row | None = None
     done: bool = False
 
     def deliver(self, update: TokenUpdate) -> None:
@@ -93,7 +93,7 @@ class ServingEngine:
         if per_sequence:
             self.engine = SequentialEngine(target_model, drafter)
         else:
-            self.engine = BatchEngine(target_model, drafter_factory(drafter), max_batch_size=max_batch_size)
+            self.engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -81,7 +81,7 @@ class DFlashTraining:
     def build(self, config, target, samples):
         from blockspec.models.dflash import DFlashDraftModel, check_fits_target, make_dflash_config
         from blockspec.models.target import copy_final_norm
-        from blockspec.models.tokens import pick_mask_token
+        from blockspec.tokens import pick_mask_token
 
         target_model = target.model
         vocab = target_model.get_input_embeddings().weight.shape[0]
@@ -132,7 +132,7 @@ class DFlashTraining:
         return block_loss(losses, hits, weights)
 
     def drafter(self, model, target):
-        from blockspec.models.dflash import DFlashDrafter
+        from blockspec.drafters.dflash import DFlashDrafter
 
         return DFlashDrafter(copy.deepcopy(model), target.model)
 

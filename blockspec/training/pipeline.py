@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockspec.errors import BlockspecError
-from blockspec.models.tokens import encode_prompt
+from blockspec.tokens import encode_prompt
 from blockspec.training.distributed import barrier, init_distributed_from_env, rank_and_world_size
 from blockspec.training.prompts import load_prompts
 from blockspec.training.response_cache import read_cache

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from blockspec.errors import BlockspecError
-from blockspec.models.tokens import encode_prompt, has_chat_template, id_list, response_end_id, stop_token_ids
+from blockspec.tokens import encode_prompt, has_chat_template, id_list, response_end_id, stop_token_ids
 from blockspec.training.prompts import PromptRecord
 from blockspec.training.response_cache import append_rows, open_cache
 

@@ -15,29 +15,17 @@ rate is verified. The verifier sees an ordinary (shorter) proposal, so output st
 
 from __future__ import annotations
 
-import hashlib
-import json
-import platform
-import statistics
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Callable
 
-import torch
-from transformers import DynamicCache
-
+from blockspec.decoding.costs import EMA_WEIGHT, CostModel, cost_model_for
 from blockspec.errors import BlockspecError
 
 #: GenerationConfig.block_size value that turns adaptive width on.
 AUTO = "auto"
-#: Weight of the newest measurement in the running averages of T(w) and T_draft.
-_EMA = 0.2
 #: While drafting pays less than plain decoding, draft only every this many steps (to keep
 #: measuring whether it has started to pay).
 PROBE_EVERY = 8
-#: A cached T(w) older than this is measured again (drivers, BIOS and power settings change
-#: what the key cannot see).
-COST_CACHE_MAX_AGE_S = 7 * 24 * 3600
 
 
 # ---------------------------------------------------------------------------
@@ -108,117 +96,6 @@ class AcceptanceCalibrator:
         return [{"low": b / self.bins, "high": (b + 1) / self.bins, "tried": self.tried[b],
                  "observed": self.accepted[b] / self.tried[b] if self.tried[b] else None,
                  "predicted": self((b + 0.5) / self.bins)} for b in range(self.bins)]
-
-
-# ---------------------------------------------------------------------------
-# The target's cost per verify width
-# ---------------------------------------------------------------------------
-
-@dataclass
-class CostModel:
-    """Seconds per target forward at each width 1..len(seconds), as calibrated, times a running scale.
-
-    Measured verify times move one scale factor shared by all widths (the machine got busier
-    or quieter) rather than each width's own figure: refining only the widths that get chosen
-    would let a lucky measurement lock the policy onto one width.
-    """
-
-    seconds: list[float]
-    scale: float = 1.0
-
-    @property
-    def max_width(self) -> int:
-        return len(self.seconds)
-
-    def __call__(self, width: int) -> float:
-        return self.seconds[min(width, self.max_width) - 1] * self.scale
-
-    def observe(self, width: int, seconds: float) -> None:
-        if 1 <= width <= self.max_width and self.seconds[width - 1] > 0:
-            self.scale += _EMA * (seconds / self.seconds[width - 1] - self.scale)
-
-
-def measure_costs(model, max_width: int, *, context_length: int = 128, repeats: int = 3) -> CostModel:
-    """T(w) for w = 1..max_width: the median of ``repeats`` forwards of w tokens after a cached context."""
-    from blockspec.decoding.generate import positions, wall_clock
-
-    device = model.device
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab, (1, context_length), generator=generator).to(device)
-    block = torch.randint(0, vocab, (1, max_width), generator=generator).to(device)
-    seconds = []
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-        model(input_ids=block[:, :1], position_ids=positions(context_length, 1, device), cache=cache,
-              use_cache=True)  # warm-up
-        cache.crop(-1)
-        for width in range(1, max_width + 1):
-            runs = []
-            for _ in range(repeats):
-                start = wall_clock(device)
-                model(input_ids=block[:, :width], position_ids=positions(context_length, width, device),
-                      cache=cache, use_cache=True, output_hidden_states=True)
-                runs.append(wall_clock(device) - start)
-                cache.crop(-width)  # back to the context
-            seconds.append(statistics.median(runs))
-    return CostModel(seconds)
-
-
-def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None) -> CostModel:
-    """The target's T(w), measured once per model, dtype, device and thread count, then read from disk."""
-    from blockspec import hub
-
-    directory = Path(cache_dir) if cache_dir is not None else hub.home_dir() / "costs"
-    path = directory / f"{_cost_key(model)}.json"
-    try:
-        saved = json.loads(path.read_text())
-        fresh = time.time() - float(saved["measured_at"]) < COST_CACHE_MAX_AGE_S
-        if fresh and len(saved["seconds"]) >= max_width:
-            return CostModel(list(saved["seconds"][:max_width]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    costs = measure_costs(model, max_width)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seconds": costs.seconds, "measured_at": time.time(),
-                                   "what": _cost_description(model)}))
-        tmp.replace(path)
-    except OSError:  # a read-only cache only costs a new calibration next time
-        pass
-    return CostModel(list(costs.seconds))
-
-
-def _cost_description(model) -> dict:
-    """What T(w) depends on; a change in any of it (a new machine, a torch upgrade) measures again."""
-    import transformers
-
-    config = model.config
-    return {"model": str(getattr(config, "_name_or_path", "")), "type": config.model_type,
-            "layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size,
-            "dtype": str(next(model.parameters()).dtype), "device": str(model.device),
-            "hardware": _hardware_name(model.device),
-            "threads": torch.get_num_threads() if model.device.type == "cpu" else None,
-            "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def _hardware_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cost_key(model) -> str:
-    return hashlib.sha256(json.dumps(_cost_description(model), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------
@@ -296,12 +173,34 @@ class AdaptiveWidth:
             return
         rate = tokens / seconds
         self.drafting_rate = rate if self.drafting_rate is None else \
-            self.drafting_rate + _EMA * (rate - self.drafting_rate)
+            self.drafting_rate + EMA_WEIGHT * (rate - self.drafting_rate)
 
     def _observe_times(self, width: int, verify_seconds: float, draft_seconds: float) -> None:
         self.costs.observe(width, verify_seconds)
         self.draft_seconds = draft_seconds if self.draft_seconds is None else \
-            self.draft_seconds + _EMA * (draft_seconds - self.draft_seconds)
+            self.draft_seconds + EMA_WEIGHT * (draft_seconds - self.draft_seconds)
+
+
+class WidthPolicies:
+    """The adaptive-width policies of one driver (a stream of prompts, a server, a benchmark method).
+
+    One policy per kind of step (chain, or tree) and widest width, so its calibration carries
+    over from prompt to prompt. ``measure`` gives the target's T(w) (default: measured once per
+    model and machine, cached on disk).
+    """
+
+    def __init__(self, measure: Callable[..., CostModel] = cost_model_for):
+        self.measure = measure
+        self.policies: dict[tuple[str, int], AdaptiveWidth] = {}
+
+    def get(self, model, widest: int, *, tree: bool) -> AdaptiveWidth:
+        key = ("tree" if tree else "chain", widest)
+        if key not in self.policies:
+            self.policies[key] = AdaptiveWidth(self.measure(model, widest))
+        return self.policies[key]
+
+    def all(self) -> list[AdaptiveWidth]:
+        return list(self.policies.values())
 
 
 def check_block_size(value) -> None:

@@ -1,9 +1,14 @@
-"""The protocol every drafter implements, so that one loop and one verifier serve all."""
+"""The protocol every drafter implements, so that one step and one verifier serve all.
+
+A drafter holds weights (or nothing, for prompt lookup); what belongs to one sequence lives
+in the state ``start`` returns, so many sequences can draft from one drafter at once.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -40,30 +45,43 @@ class Proposal:
         return Proposal(self.tokens[:count], cut(self.probs), cut(self.confidence))
 
 
-@runtime_checkable
-class Drafter(Protocol):
+#: A drafter's per-sequence state: whatever its ``start`` returns (caches, history, pending features).
+DraftState = Any
+
+
+class Drafter(ABC):
     """A source of draft tokens for the target to verify.
 
-    The loop calls ``begin`` once after the prefill, then alternately ``propose`` (draft
-    tokens that would follow ``last_token``) and ``commit`` (the tokens the target accepted,
-    which now sit in the target's KV cache, with the target's features at those positions).
+    The step calls ``start`` once after the prefill, then alternately ``propose`` (draft tokens
+    that would follow ``last_token``) and ``commit`` (the tokens the target kept, which now sit
+    in its KV cache, with the target's features at those positions).
     """
 
     name: str
     #: Target layers whose outputs the drafter reads (``hidden_states[i + 1]``); None for none.
-    feature_layers: list[int] | None
+    feature_layers: list[int] | None = None
     #: The most draft tokens one proposal may hold (the trained block size - 1); None for no limit.
-    max_draft_tokens: int | None
+    max_draft_tokens: int | None = None
     #: The verify width used when the user does not choose one.
     default_block_size: int
 
-    def begin(self, prompt_ids: torch.LongTensor, features: torch.Tensor | None) -> None:
-        """Start a sequence: prompt_ids [1, P], features [1, P, F] of the prompt positions."""
+    @abstractmethod
+    def start(self, prompt_ids: torch.LongTensor, features: torch.Tensor | None) -> DraftState:
+        """A new sequence's state: prompt_ids [1, P], features [1, P, F] of the prompt positions."""
 
-    def propose(
-        self, last_token: int, num_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Proposal:
+    @abstractmethod
+    def propose(self, state: DraftState, last_token: int, num_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Proposal:
         """Draft ``num_tokens`` tokens that follow ``last_token`` (not yet seen by the target)."""
 
-    def commit(self, tokens: torch.LongTensor, features: torch.Tensor | None) -> None:
+    @abstractmethod
+    def commit(self, state: DraftState, tokens: torch.LongTensor, features: torch.Tensor | None) -> None:
         """Tokens [1, m] the target has now processed and kept, with their features [1, m, F]."""
+
+
+class TreeDrafter(Drafter):
+    """A drafter whose one pass gives a distribution for every position: a token tree can be drafted from it."""
+
+    @abstractmethod
+    def draft_logits(self, state: DraftState, last_token: int, num_tokens: int) -> torch.Tensor:
+        """Logits [num_tokens, V] for the positions after ``last_token``."""

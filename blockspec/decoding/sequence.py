@@ -1,0 +1,241 @@
+"""One sequence being decoded: its settings, its drafter's state, its tokens and its statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from blockspec.decoding.policy import AUTO, AdaptiveWidth, check_block_size
+from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
+from blockspec.drafters.base import Drafter, DraftState, TreeDrafter
+from blockspec.errors import BlockspecError
+from blockspec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    #: Verify width (last token + block_size - 1 drafts); None: the drafter's default;
+    #: "auto": chosen each step by the cost model (blockspec.decoding.policy).
+    block_size: int | str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    #: Tree verification: draft nodes per step (None: a chain), children per node at most.
+    tree_budget: int | None = None
+    tree_top_k: int = DEFAULT_TREE_TOP_K
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise BlockspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_block_size(self.block_size)
+        if self.tree_budget is not None and self.tree_budget < 1:
+            raise BlockspecError(f"tree_budget must be >= 1 draft nodes, got {self.tree_budget}")
+        if self.tree_top_k < 1:
+            raise BlockspecError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+
+        self.sampling  # validates the sampling values
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+def preferred_block_size(drafter: Drafter | None, config: GenerationConfig) -> int | str | None:
+    """The width the command line, the server and the demo verify when the user names none:
+    "auto" for a chain of a one-pass drafter (the cost model picks each width), else as given."""
+    if config.block_size is None and isinstance(drafter, TreeDrafter) and config.tree_budget is None:
+        return AUTO
+    return config.block_size
+
+
+@dataclass
+class Step:
+    """Tokens one step produced (the first step is the prefill's token)."""
+
+    tokens: list[int]
+    num_drafted: int
+    num_accepted: int
+    #: Tokens the verify forward carried (None: the last token + the chain of drafts).
+    num_verified: int | None = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int = 0
+    #: Tokens each decode step produced (accepted drafts + 1, cut at a stop or the token limit).
+    acceptance_lengths: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    #: Tokens each decode step's verify forward carried (a tree's nodes + 1, a chain's drafts + 1).
+    verified: list[int] = field(default_factory=list)
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward in the decode phase (the bonus token included)."""
+        steps = self.acceptance_lengths
+        return sum(steps) / len(steps) if steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def target_forwards(self) -> int:
+        return 1 + len(self.acceptance_lengths)
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft k accepted | k drafted), k = 1..max drafted."""
+        return acceptance_by_position(self.drafted, self.accepted)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(tau=self.tau, tokens_per_s=self.tokens_per_s, target_forwards=self.target_forwards,
+                    acceptance_by_position=self.acceptance_by_position())
+        return data
+
+
+def acceptance_by_position(drafted: list[int], accepted: list[int]) -> list[float]:
+    """P(draft k accepted | k drafted), k = 1..max drafted, over steps given as (drafted, accepted) counts."""
+    rates = []
+    for k in range(1, max(drafted, default=0) + 1):
+        tried = [a for a, d in zip(accepted, drafted) if d >= k]
+        rates.append(sum(a >= k for a in tried) / len(tried))
+    return rates
+
+
+@dataclass
+class Sequence:
+    """Everything one sequence's decoding carries from step to step; the drafter's own part is ``draft_state``."""
+
+    input_ids: torch.LongTensor
+    config: GenerationConfig
+    drafter: Drafter | None
+    #: The widest verify this sequence may do (with "auto": the widest the policy may choose).
+    block_size: int
+    #: The token limit, lowered to what fits the model's context.
+    max_new_tokens: int
+    stats: GenerationStats
+    #: With "auto": the policy choosing each step's width (or, with a tree, how many nodes).
+    width_policy: AdaptiveWidth | None = None
+    generator: torch.Generator | None = None
+    draft_state: DraftState = None
+    token_ids: list[int] = field(default_factory=list)
+    #: The next token to feed (picked by the target, not yet in its cache) and its position.
+    last_token: int = 0
+    position: int = 0
+    #: Verify widths the policy chose.
+    widths: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.stats.finish_reason)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.config.sampling
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def draft_depth(self) -> int:
+        """How many tokens to draft this step: the width allows, the token limit leaves room for the target's own."""
+        depth = min(self.block_size - 1, self.max_new_tokens - len(self.token_ids) - 1)
+        if self.drafter is None or depth <= 0:
+            return 0
+        if self.width_policy is not None and not self.width_policy.should_draft():
+            return 0  # drafting has not been paying: a plain one-token step
+        return depth
+
+    def record(self, step: Step, *, decode: bool) -> Step:
+        """Cut the step at a stop token or the token limit, append it to ``token_ids``, account for it."""
+        tokens = step.tokens[: self.max_new_tokens - len(self.token_ids)]
+        stop_at = next((i for i, t in enumerate(tokens) if t in self.config.stop_token_ids), None)
+        if stop_at is not None:
+            tokens = tokens[: stop_at + 1]
+            self.stats.finish_reason = "stop"
+        elif len(self.token_ids) + len(tokens) >= self.max_new_tokens:
+            # the limit was lowered to fit the context: reaching it is "context", not "length"
+            context_bound = self.max_new_tokens < self.config.max_new_tokens
+            self.stats.finish_reason = "context" if context_bound else "length"
+        step.tokens = tokens
+        self.token_ids.extend(tokens)
+        self.stats.new_tokens = len(self.token_ids)
+        if decode:
+            self.stats.acceptance_lengths.append(len(tokens))
+            self.stats.drafted.append(step.num_drafted)
+            self.stats.accepted.append(step.num_accepted)
+            self.stats.verified.append(step.num_verified if step.num_verified is not None else step.num_drafted + 1)
+        return step
+
+
+def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationConfig,
+                 width_policy: AdaptiveWidth | None = None) -> Sequence:
+    """A sequence ready for its prefill, its options checked (they fail here, not mid-decoding)."""
+    ids = as_batch_of_one(input_ids, model.device)
+    check_tree_drafter(drafter, config.tree_budget)
+    return Sequence(input_ids=ids, config=config, drafter=drafter, block_size=resolve_block_size(drafter, config.block_size),
+                    max_new_tokens=fit_to_context(model, ids.shape[1], config.max_new_tokens),
+                    stats=GenerationStats(prompt_tokens=ids.shape[1]), width_policy=width_policy)
+
+
+def widest_verify(drafter: Drafter | None, config: GenerationConfig) -> int:
+    """The widest forward the adaptive policy may choose: a tree's nodes + 1, else the block size."""
+    return config.tree_budget + 1 if config.tree_budget else resolve_block_size(drafter, AUTO)
+
+
+def check_tree_drafter(drafter: Drafter | None, tree_budget: int | None) -> None:
+    """A token tree is drafted from one pass's per-position distributions: only tree drafters offer them."""
+    if tree_budget and not isinstance(drafter, TreeDrafter):
+        raise BlockspecError("tree verification (--tree-budget) drafts from one pass's per-position distributions: "
+                             f"it needs the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
+
+
+def resolve_block_size(drafter: Drafter | None, requested: int | str | None) -> int:
+    """The verify width (with "auto": the widest the policy may choose)."""
+    if requested == AUTO:
+        if drafter is None:
+            raise BlockspecError("block_size 'auto' needs a drafter: without one, decoding is one token per step")
+        limit = drafter.max_draft_tokens
+        return limit + 1 if limit is not None else drafter.default_block_size
+    if drafter is None:
+        if requested not in (None, 1):
+            raise BlockspecError(f"block_size {requested} needs a drafter: without one, decoding is one token per step")
+        return 1
+    size = drafter.default_block_size if requested is None else requested
+    if drafter.max_draft_tokens is not None and size - 1 > drafter.max_draft_tokens:
+        raise BlockspecError(
+            f"block_size {size} is above the {drafter.name} drafter's trained block size "
+            f"{drafter.max_draft_tokens + 1}: choose {drafter.max_draft_tokens + 1} or less"
+        )
+    return size
+
+
+def fit_to_context(model, prompt_length: int, max_new_tokens: int) -> int:
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is None:
+        return max_new_tokens
+    if prompt_length >= context:
+        raise BlockspecError(
+            f"the prompt has {prompt_length} tokens but the model's context is {context}: shorten the prompt"
+        )
+    return min(max_new_tokens, context - prompt_length)
+
+
+def as_batch_of_one(input_ids, device) -> torch.LongTensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise BlockspecError(f"input_ids must be one sequence ([T] or [1, T]), got shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise BlockspecError("the prompt is empty: give at least one token")
+    return ids

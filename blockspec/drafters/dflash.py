@@ -1,0 +1,144 @@
+"""DFlash behind the drafter protocol: one forward pass of the block denoiser drafts the whole block.
+
+The drafter's per-sequence state is its context cache (projected keys/values of committed
+positions) and the features of positions committed since the last draft, which the next
+pass appends to that cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.drafters.base import Proposal, TreeDrafter
+from blockspec.errors import BlockspecError
+from blockspec.models.dflash import ContextCache, DFlashDraftModel, check_fits_target, load_dflash_model
+from blockspec.models.target import position_ids
+from blockspec.sampling import draft_confidence, sample_from, sampling_probs
+
+
+def denoise_schedule(num_tokens: int, steps: int) -> list[int]:
+    """Positions committed at each pass: ``num_tokens`` over ``min(steps, num_tokens)`` passes, as
+    evenly as possible, the first ``num_tokens % passes`` passes taking one more (as LLaDA's
+    num_transfer_tokens)."""
+    if num_tokens == 0:
+        return []
+    passes = min(steps, num_tokens)
+    share, extra = divmod(num_tokens, passes)
+    return [share + 1] * extra + [share] * (passes - extra)
+
+
+def check_denoise_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise BlockspecError(f"denoise_steps must be a whole number >= 1 (1 drafts the block in one pass), "
+                             f"got {steps!r}")
+    return steps
+
+
+def most_confident(logits: torch.Tensor, masked: torch.Tensor, count: int) -> torch.LongTensor:
+    """The ``count`` still-masked rows of logits [n, V] whose top probability is highest, highest first."""
+    confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+    return confidence.masked_fill(~masked, -1.0).topk(count).indices
+
+
+@dataclass
+class DFlashState:
+    """One sequence: the drafter's context cache, the features not yet in it, the last draft's passes."""
+
+    cache: ContextCache
+    pending: torch.Tensor | None
+    #: Positions the last draft committed in each denoising pass.
+    commit_counts: list[int] = field(default_factory=list)
+
+
+class DFlashDrafter(TreeDrafter):
+    """One pass over [last token, MASK, ...] drafts every block position.
+
+    With ``denoise_steps`` K > 1 the block is denoised in K passes: after each pass the most
+    confident masked positions are committed (their token replaces MASK in the next pass), per
+    ``denoise_schedule``.
+    """
+
+    name = "dflash"
+
+    def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
+                 denoise_steps: int = 1):
+        check_fits_target(model, target_model.config)
+        param = next(target_model.parameters())
+        self.model = model.to(device=param.device, dtype=param.dtype).eval()
+        self.model.requires_grad_(False)
+        self.embed_tokens = target_model.get_input_embeddings()
+        self.lm_head = target_model.get_output_embeddings()
+        self.feature_layers = list(model.target_layer_ids)
+        self.max_draft_tokens = model.block_size - 1
+        self.default_block_size = model.block_size
+        self.mask_token_id = int(model.mask_token_id)
+        #: At temperature > 0: sample drafts from q and use full rejection sampling (True),
+        #: or draft greedily and accept with probability p(draft) (False, the reference).
+        self.sample_drafts = sample_drafts
+        self.denoise_steps = check_denoise_steps(denoise_steps)
+        self.device = param.device
+
+    def start(self, prompt_ids, features) -> DFlashState:
+        return DFlashState(self.model.new_cache(), features)
+
+    def commit(self, state: DFlashState, tokens, features) -> None:
+        state.pending = features if state.pending is None else torch.cat([state.pending, features], dim=1)
+
+    @torch.inference_mode()
+    def propose(self, state: DFlashState, last_token, num_tokens, sampling, generator) -> Proposal:
+        if num_tokens == 0:
+            return Proposal.empty(self.device)
+        logits = self.draft_logits(state, last_token, num_tokens)
+        # Drafted out of left-to-right order, a sampled token's q is not its distribution given the
+        # drafts before it, so rejection sampling with q would be biased: denoised drafts are
+        # deterministic (accepted with probability p(draft), exact for any deterministic draft).
+        denoised = len(state.commit_counts) > 1
+        if sampling.greedy or not self.sample_drafts or denoised:
+            tokens = logits.argmax(dim=-1)
+            return Proposal(tokens, confidence=draft_confidence(logits, tokens))
+        probs = sampling_probs(logits, sampling)
+        return Proposal(sample_from(probs, generator), probs)  # its confidence is q(token), from probs
+
+    @torch.inference_mode()
+    def draft_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
+        """Logits [num_tokens, V] for the positions after ``last_token``.
+
+        Row i comes from the pass that committed position i, so its argmax is that position's
+        draft. Only the first pass appends the pending context features to the cache.
+        """
+        pending = state.pending
+        start = state.cache.length + (0 if pending is None else pending.shape[1])
+        block_ids = torch.full((1, num_tokens + 1), self.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[0, 0] = last_token
+        logits = self._block_logits(state.cache, block_ids, start, pending)
+        state.pending = None
+        schedule = denoise_schedule(num_tokens, self.denoise_steps)
+        committed = torch.empty_like(logits)
+        masked = torch.ones(num_tokens, dtype=torch.bool, device=self.device)
+        for index, count in enumerate(schedule):
+            if index > 0:
+                logits = self._block_logits(state.cache, block_ids, start)
+            chosen = most_confident(logits, masked, count)
+            committed[chosen] = logits[chosen]
+            block_ids[0, 1 + chosen] = logits[chosen].argmax(dim=-1)
+            masked[chosen] = False
+        state.commit_counts = schedule
+        return committed
+
+    def _block_logits(self, cache: ContextCache, block_ids, start: int,
+                      context: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over the block at positions ``start``...; ``context``: features of the positions
+        just before ``start``, appended to the cache (None: attend the cache as it is)."""
+        context_positions = None if context is None else \
+            position_ids(start - context.shape[1], context.shape[1], self.device)
+        hidden = self.model(self.embed_tokens(block_ids), position_ids(start, block_ids.shape[1], self.device),
+                            context, context_positions, cache)
+        return self.lm_head(hidden[0, 1:]).float()
+
+
+def build(directory, target, *, sample_drafts: bool = True, denoise_steps: int = 1) -> DFlashDrafter:
+    """A DFlash drafter for ``target`` (a ``Target``) from its checkpoint directory."""
+    return DFlashDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
+                         denoise_steps=denoise_steps)

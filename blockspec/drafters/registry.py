@@ -1,0 +1,143 @@
+"""The one table of drafting methods, and building any drafter by method name.
+
+This module imports no torch, so the command line can list methods before loading anything;
+each method's drafter module is imported when that method is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from blockspec.errors import BlockspecError
+
+#: The method that decodes without a drafter (one token per target forward).
+AUTOREGRESSIVE = "ar"
+
+
+@dataclass(frozen=True)
+class DraftMethod:
+    """One way to draft: what ``--draft`` must name for it and where its drafter is built."""
+
+    name: str
+    #: "checkpoint": a directory of this method's own checkpoint; "model": a causal LM directory or a
+    #: known model name; None: nothing (the drafter needs no weights).
+    draft: str | None
+    #: ``architectures`` entries of config.json that mark a checkpoint of this method.
+    architectures: tuple[str, ...]
+    #: "module:function" building the drafter from (draft, target, **options).
+    builder: str
+    #: Words for error messages: "a DFlash checkpoint directory".
+    described: str
+
+    def build(self, draft, target, **options):
+        module, function = self.builder.split(":")
+        factory = getattr(importlib.import_module(module), function)
+        return _call(factory, self.name, draft, target, **options)
+
+
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (
+    DraftMethod("dflash", "checkpoint", ("DFlashDraftModel",), "blockspec.drafters.dflash:build",
+                "a DFlash checkpoint directory"),
+    DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3",), "blockspec.drafters.recursive:build_eagle3",
+                "an EAGLE-3 checkpoint directory"),
+    DraftMethod("mtp", "checkpoint", ("MTPDraftModel",), "blockspec.drafters.recursive:build_mtp",
+                "an MTP checkpoint directory"),
+    DraftMethod("draft", "model", (), "blockspec.drafters.draft_model:build",
+                "a causal LM directory or a known model name such as qwen2.5-coder-0.5b-instruct"),
+    DraftMethod("ngram", None, (), "blockspec.drafters.ngram:build", "nothing (prompt lookup)"),
+)}
+#: Drafting methods, in the order they are listed to users.
+DRAFT_METHODS = tuple(METHODS)
+#: Methods that load a checkpoint of their own kind.
+CHECKPOINT_METHODS = tuple(name for name, m in METHODS.items() if m.draft == "checkpoint")
+#: Methods that take a ``--draft``.
+DRAFTED_METHODS = tuple(name for name, m in METHODS.items() if m.draft is not None)
+
+#: The drafters shipped in the package (under ``blockspec/assets/``), by the known target they serve.
+SHIPPED_DRAFTS = {"smollm2-135m-instruct": "dflash-smollm2-135m"}
+
+
+def detect_method(draft) -> str:
+    """The method a draft checkpoint directory (or known draft model name) is for."""
+    from blockspec import hub
+    from blockspec.models.checkpoint import read_config
+
+    if not Path(draft).is_dir() and str(draft) in hub.KNOWN_MODELS:
+        return "draft"
+    architectures = read_config(draft).get("architectures") or []
+    for method in METHODS.values():
+        if any(name in architectures for name in method.architectures):
+            return method.name
+    if any(name.endswith("ForCausalLM") for name in architectures):
+        return "draft"
+    raise BlockspecError(
+        f"cannot tell which kind of drafter {draft} holds (architectures {architectures}); "
+        f"pass --method, one of {', '.join(DRAFT_METHODS)}"
+    )
+
+
+def build_drafter(method: str, target, draft: str | None = None, **options):
+    """A drafter for ``target`` (a ``Target``).
+
+    dflash, eagle3, mtp: ``draft`` is a checkpoint directory of that kind; draft: ``draft`` is a causal LM
+    directory or a known model name; ngram: no ``draft`` (prompt lookup). ``options`` go to
+    the drafter (e.g. sample_drafts, block_size, max_ngram, min_ngram).
+    """
+    spec = METHODS.get(method)
+    if spec is None:
+        hint = ": 'ar' decodes without a drafter (pass drafter=None)" if method == AUTOREGRESSIVE else ""
+        raise BlockspecError(f"unknown drafting method {method!r}{hint}; choose one of {', '.join(DRAFT_METHODS)}")
+    if spec.draft is None and draft is not None:
+        raise BlockspecError(f"the {method} method drafts from the context and takes no draft model, got {draft!r}")
+    if spec.draft is not None and draft is None:
+        raise BlockspecError(f"the {method} method needs a draft: {spec.described}")
+    return spec.build(draft, target, **options)
+
+
+def load_drafter(directory, target, method: str | None = None, **options):
+    """A drafter for ``target`` from a checkpoint directory (the method read from it if not given)."""
+    return build_drafter(method or detect_method(directory), target, directory, **options)
+
+
+def shipped_draft(target_name: str, *, assets=None) -> Path | None:
+    """The DFlash drafter shipped with the package for a known target (None for other targets).
+
+    ``assets``: the folder holding the shipped drafters (default: the package's ``assets``).
+    """
+    asset = SHIPPED_DRAFTS.get(str(target_name))
+    if asset is None:
+        return None
+    directory = Path(assets) / asset if assets is not None else resources.files("blockspec") / "assets" / asset
+    if not directory.is_dir():
+        raise BlockspecError(
+            f"the shipped DFlash drafter is missing: expected the directory {directory} inside the "
+            "installed package; reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
+        )
+    if not directory.joinpath("config.json").is_file():
+        raise BlockspecError(
+            f"the shipped DFlash drafter at {directory} is incomplete (no config.json); "
+            "reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
+        )
+    path = Path(str(directory))
+    if not path.is_dir():  # a package imported from a zip archive
+        raise BlockspecError("the shipped DFlash drafter cannot be read from a zipped package: install blockspec "
+                             "as ordinary files, or pass --draft DIR")
+    return path
+
+
+def _call(factory, method: str, *args, **options):
+    """``factory(*args, **options)``, refusing options it does not take with a clear message."""
+    parameters = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if not takes_any:
+        unknown = sorted(set(options) - set(parameters))
+        if unknown:
+            accepted = [name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+                        or (p.default is not inspect.Parameter.empty)]
+            raise BlockspecError(f"the {method} method takes no option {', '.join(unknown)}: "
+                                 f"its options are {', '.join(accepted) or 'none'}")
+    return factory(*args, **options)

@@ -1,0 +1,362 @@
+"""What the tests share: tiny models and tokenizers built in the test itself (no network,
+milliseconds), prompt sets, reference decoders, drafters for tests, the exact-distribution
+machinery of the sampling tests, and a test server. Overrides come in as arguments; no test
+patches this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+from scipy.stats import chisquare
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+from blockspec.decoding.costs import CostModel
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.dllm.model import HFDiffusionModel
+from blockspec.drafters.base import Proposal, TreeDrafter
+from blockspec.models.dflash import DFlashDraftModel, make_dflash_config
+from blockspec.models.eagle3 import Eagle3DraftModel, make_eagle3_config
+from blockspec.models.mtp import MTPDraftModel, make_mtp_config
+from blockspec.models.target import Target, load_target
+from blockspec.sampling import SamplingConfig, sampling_probs
+from blockspec.training.pipeline import DataConfig, prepare_samples
+from blockspec.training.trainer import TrainConfig
+
+SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "def add(a, b):\n    return a + b\n",
+    "Speculative decoding drafts several tokens and verifies them in one forward pass.",
+    "What is 12 times 7? Let's think step by step. 12 * 7 = 84. The answer is 84.",
+    "Write a function that returns the sum of a list of numbers.",
+] * 4
+
+
+def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with chat special tokens and a chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+        return Qwen3Config(**common)
+    raise ValueError(arch)
+
+
+def make_causal_lm(arch: str = "llama", vocab_size: int = 320, seed: int = 0, **overrides):
+    """A randomly initialised tiny causal LM in eval mode.
+
+    initializer_range is raised so that logits are far from ties: greedy comparisons
+    then test the algorithm rather than floating-point noise.
+    """
+    torch.manual_seed(seed)
+    overrides.setdefault("initializer_range", 0.2)
+    config = tiny_config(arch, vocab_size, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def save_tiny_target(directory: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """A target checkpoint directory (model + tokenizer) as a user would have one."""
+    tokenizer = make_tokenizer()
+    model = make_causal_lm(arch, vocab_size=len(tokenizer), seed=seed)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
+# --- drafter networks ---------------------------------------------------------------------
+
+def make_dflash(target, num_layers=2, block_size=16, mask_token_id=3, seed=1) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    config = make_dflash_config(target.config, num_layers=num_layers, block_size=block_size,
+                                mask_token_id=mask_token_id)
+    return DFlashDraftModel(config).to(next(target.parameters()).dtype).eval()
+
+
+RECURSIVE_KINDS = {"eagle3": (Eagle3DraftModel, make_eagle3_config), "mtp": (MTPDraftModel, make_mtp_config)}
+
+
+def make_recursive(kind, target, *, draft_vocab_size=None, seed=1, ttt_steps=3):
+    """A randomly initialised EAGLE-3 or MTP draft; with draft_vocab_size, a random draft vocabulary."""
+    model_class, make_config = RECURSIVE_KINDS[kind]
+    torch.manual_seed(seed)
+    model = model_class(make_config(target.config, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps))
+    if draft_vocab_size:
+        vocab = target.config.vocab_size
+        order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+        model.set_draft_vocabulary(order[:draft_vocab_size])
+    if kind == "mtp":
+        model.attach_target(target)
+    return model.to(next(target.parameters()).dtype).eval()
+
+
+def perturbed_copy(model, scale=0.02, seed=0):
+    """A draft that agrees with the target often, but not always: rejections mid-block."""
+    generator = torch.Generator().manual_seed(seed)
+    noisy = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * scale)
+    return noisy
+
+
+class NoisyOracle(TreeDrafter):
+    """A drafter offering per-position distributions in which the true next token is often,
+    but not always, first: second place sends the chain astray and the tree to a sibling.
+
+    ``reference`` is the whole greedy sequence (prompt + answer); its state is the position."""
+
+    name = "noisy-oracle"
+    max_draft_tokens = 7
+    default_block_size = 8
+
+    def __init__(self, reference, vocab, seed=0):
+        self.reference = reference
+        self.vocab = vocab
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def start(self, prompt_ids, features):
+        return {"position": prompt_ids.shape[1]}
+
+    def commit(self, state, tokens, features):
+        state["position"] += tokens.shape[1]
+
+    def draft_logits(self, state, last_token, num_tokens):
+        start = state["position"] + 1
+        logits = torch.randn(num_tokens, self.vocab, generator=self.generator)
+        for k in range(num_tokens):
+            if start + k < len(self.reference):
+                true = self.reference[start + k]
+                rank = int(torch.randint(0, 3, (1,), generator=self.generator))  # 0: first, 1: second, 2: gone
+                boost = {0: 8.0, 1: 6.0, 2: -8.0}[rank]
+                logits[k, true] = boost
+                if rank == 1:
+                    logits[k, (true + 1) % self.vocab] = 7.0
+        return logits
+
+    def propose(self, state, last_token, num_tokens, sampling, generator):
+        return Proposal(self.draft_logits(state, last_token, num_tokens).argmax(-1))
+
+
+class FixedCosts(CostModel):
+    """Synthetic T(w), not to be "refined" by this machine's real timings."""
+
+    def observe(self, width, seconds):
+        pass
+
+
+# --- training and diffusion ----------------------------------------------------------------
+
+def small_config(out, **overrides):
+    """A drafter training config that runs in seconds on the learned tiny target."""
+    values = dict(out=str(out), num_layers=1, block_size=8, batch_size=4, lr=3e-3, anchors_per_sequence=6,
+                  max_steps=40, save_every=10, progress=False, eval_max_new_tokens=24)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def first_response_cache(learned_target, tmp_path) -> Path:
+    """Responses of the learned target to 24 of its prompts, generated into a cache: its path."""
+    target, _, prompts = learned_target
+    out = tmp_path / "gen"
+    prepare_samples(target, DataConfig(files=[str(prompts)], max_new_tokens=8, held_out=4, num_prompts=24), out,
+                    max_length=256)
+    return out / "data" / "responses.jsonl"
+
+
+#: The mask token id of the tiny diffusion models.
+DLLM_MASK = 3
+
+
+def tiny_dllm(shifted=False, attention=None, layers=2, seed=0, mask=DLLM_MASK):
+    """A random tiny Llama run as a masked-diffusion model."""
+    model = HFDiffusionModel(make_causal_lm("llama", 320, seed=seed, num_hidden_layers=layers).eval(), mask,
+                             shifted=shifted)
+    if attention:
+        model.attention = attention
+    return model
+
+
+
+# --- prompts and reference decoding -------------------------------------------------------
+
+MAX_NEW = 24
+
+
+def prompts(vocab_size, count=50, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (count,), generator=generator)
+    return [torch.randint(4, vocab_size, (1, int(n)), generator=generator) for n in lengths]
+
+
+def repetitive_prompts(vocab_size, count, seed=0):
+    """Random phrases said several times, with some noise between them."""
+    generator = torch.Generator().manual_seed(seed)
+    result = []
+    for _ in range(count):
+        phrase = torch.randint(4, vocab_size, (int(torch.randint(3, 8, (1,), generator=generator)),),
+                               generator=generator)
+        noise = torch.randint(4, vocab_size, (3,), generator=generator)
+        repeats = int(torch.randint(2, 4, (1,), generator=generator))
+        result.append(torch.cat([phrase, noise] * repeats + [phrase[:2]]).unsqueeze(0))
+    return result
+
+
+def hf_greedy(model, ids, max_new, eos=None):
+    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    tokens = out[0, ids.shape[1]:].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    return tokens
+
+
+def decode(target, ids, drafter, config=None, **options):
+    """Run a stream to its end; the stream (its token_ids, stats, sequence) is returned."""
+    stream = speculative_generate(target, ids, drafter, config or GenerationConfig(max_new_tokens=MAX_NEW), **options)
+    list(stream)
+    return stream
+
+
+# --- the exact-distribution test of sampling ----------------------------------------------
+
+VOCAB = 8
+# Fixed seeds make every test deterministic; a correct sampler passes at PASS, and a broken
+# one must fall far below it.
+PASS = 1e-4
+PROMPT = torch.tensor([[1, 2, 3]])
+NEW_TOKENS = 3
+SAMPLES = 2500
+
+
+def small_target():
+    """The tiny-vocabulary target whose output distribution the tests enumerate exactly."""
+    return make_causal_lm("qwen3", vocab_size=VOCAB, seed=11, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+
+
+def chi_square_pvalue(counts: dict, probs: dict, total: int) -> float:
+    """Pearson chi-square, pooling cells with an expected count under 5."""
+    observed, expected, pool_obs, pool_exp = [], [], 0.0, 0.0
+    for cell, p in probs.items():
+        if p * total < 5:
+            pool_obs, pool_exp = pool_obs + counts.get(cell, 0), pool_exp + p * total
+        else:
+            observed.append(counts.get(cell, 0))
+            expected.append(p * total)
+    if pool_exp > 0:
+        observed.append(pool_obs)
+        expected.append(pool_exp)
+    assert sum(counts.values()) == total and set(counts) <= set(probs), "a sample outside the support"
+    scale = total / sum(expected)  # float32 probabilities do not sum to exactly 1
+    return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+def exact_joint(target, sampling: SamplingConfig) -> dict:
+    """P(t1, t2, t3) under plain sampling from the target, by enumeration."""
+    joint = {}
+    with torch.no_grad():
+        for prefix in itertools.product(range(VOCAB), repeat=NEW_TOKENS - 1):
+            ids = torch.cat([PROMPT, torch.tensor([prefix])], dim=1)
+            probs = sampling_probs(target(ids).logits[0, -NEW_TOKENS:], sampling)
+            head = float(probs[0, prefix[0]] * probs[1, prefix[1]])
+            for last in range(VOCAB):
+                joint[(*prefix, last)] = head * float(probs[2, last])
+    return joint
+
+
+def sampled_joint(target, drafter, sampling: SamplingConfig, samples: int, *, block_size=3,
+                  tree_budget=None, tree_top_k=8, width_policies=None) -> dict:
+    """Counts of the NEW_TOKENS-token outputs of ``samples`` seeded speculative decodes."""
+    counts = {}
+    for seed in range(samples):
+        config = GenerationConfig(max_new_tokens=NEW_TOKENS, block_size=block_size, temperature=sampling.temperature,
+                                  top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, tree_budget=tree_budget,
+                                  tree_top_k=tree_top_k)
+        stream = decode(target, PROMPT, drafter, config, width_policies=width_policies)
+        key = tuple(stream.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+# --- a server on a free loopback port -----------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(app):
+    """Serve ``app`` with uvicorn in a background thread on a free loopback port; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def load_served_target(directory) -> Target:
+    # float64: a batched forward and a one-row forward then cannot disagree by rounding.
+    target = load_target(str(directory), device="cpu")
+    target.model.double()
+    return target
