@@ -12,9 +12,9 @@ from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.policy import PROBE_EVERY, AcceptanceCalibrator, AdaptiveWidth, WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
-from blockspec.drafters.draft_model import DraftModelDrafter
+from blockspec.drafters.draft_lm import DraftModelDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
-from blockspec.drafters.recursive import RecursiveDrafter
+from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig
 from helpers import (

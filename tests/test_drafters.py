@@ -7,7 +7,7 @@ import torch
 
 from blockspec.cli import main
 from blockspec.decoding.sequence import GenerationConfig
-from blockspec.drafters.draft_model import DraftModelDrafter, check_compatible
+from blockspec.drafters.draft_lm import DraftModelDrafter, check_compatible
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.drafters.registry import build_drafter, detect_method
 from blockspec.errors import BlockspecError, IncompatibleDraftError

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
-from blockspec.drafters.recursive import RecursiveDrafter
+from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.drafters.registry import build_drafter, detect_method
 from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.models.eagle3 import load_eagle3_model

@@ -182,7 +182,8 @@ def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationCo
     """A sequence ready for its prefill, its options checked (they fail here, not mid-decoding)."""
     ids = as_batch_of_one(input_ids, model.device)
     check_tree_drafter(drafter, config.tree_budget)
-    return Sequence(input_ids=ids, config=config, drafter=drafter, block_size=resolve_block_size(drafter, config.block_size),
+    return Sequence(input_ids=ids, config=config, drafter=drafter,
+                    block_size=resolve_block_size(drafter, config.block_size),
                     max_new_tokens=fit_to_context(model, ids.shape[1], config.max_new_tokens),
                     stats=GenerationStats(prompt_tokens=ids.shape[1]), width_policy=width_policy)
 

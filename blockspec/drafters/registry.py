@@ -42,11 +42,11 @@ class DraftMethod:
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("dflash", "checkpoint", ("DFlashDraftModel",), "blockspec.drafters.dflash:build",
                 "a DFlash checkpoint directory"),
-    DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3",), "blockspec.drafters.recursive:build_eagle3",
+    DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3",), "blockspec.drafters.eagle3_mtp:build_eagle3",
                 "an EAGLE-3 checkpoint directory"),
-    DraftMethod("mtp", "checkpoint", ("MTPDraftModel",), "blockspec.drafters.recursive:build_mtp",
+    DraftMethod("mtp", "checkpoint", ("MTPDraftModel",), "blockspec.drafters.eagle3_mtp:build_mtp",
                 "an MTP checkpoint directory"),
-    DraftMethod("draft", "model", (), "blockspec.drafters.draft_model:build",
+    DraftMethod("draft", "model", (), "blockspec.drafters.draft_lm:build",
                 "a causal LM directory or a known model name such as qwen2.5-coder-0.5b-instruct"),
     DraftMethod("ngram", None, (), "blockspec.drafters.ngram:build", "nothing (prompt lookup)"),
 )}

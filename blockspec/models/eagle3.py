@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, Llama
 
 from blockspec.errors import CheckpointError
 from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_weights
-from blockspec.models.recursive import CachedAttention, RecursiveDraftModel, make_llama_layer_config, mlp, rms_norm
+from blockspec.models.recursive_head import CachedAttention, RecursiveDraftModel, make_llama_layer_config, mlp, rms_norm
 from blockspec.models.target import copy_final_norm
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

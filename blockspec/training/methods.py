@@ -220,7 +220,7 @@ class RecursiveTraining:
         return list(model.feature_layers)
 
     def loss(self, forward, model, batch, target, config, generator):
-        from blockspec.models.recursive import recursion_labels
+        from blockspec.models.recursive_head import recursion_labels
 
         device = target.model.device
         steps = model.ttt_steps
@@ -243,7 +243,7 @@ class RecursiveTraining:
         return total / max(weight_sum, 1e-8), accuracy
 
     def drafter(self, model, target):
-        from blockspec.drafters.recursive import RecursiveDrafter
+        from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 
         return RecursiveDrafter(copy.deepcopy(model), target.model, name=self.name)
 
@@ -306,7 +306,7 @@ class DraftModelTraining:
         return F.cross_entropy(chosen, wanted), (chosen.detach().argmax(-1) == wanted).float().mean().item()
 
     def drafter(self, model, target):
-        from blockspec.drafters.draft_model import DraftModelDrafter
+        from blockspec.drafters.draft_lm import DraftModelDrafter
 
         return DraftModelDrafter(copy.deepcopy(model), target.model)
 

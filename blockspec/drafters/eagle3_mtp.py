@@ -16,7 +16,7 @@ import torch
 
 from blockspec.drafters.base import Drafter, Proposal
 from blockspec.errors import IncompatibleDraftError
-from blockspec.models.recursive import RecursiveDraftModel
+from blockspec.models.recursive_head import RecursiveDraftModel
 from blockspec.models.target import position_ids
 from blockspec.sampling import pick_draft
 
