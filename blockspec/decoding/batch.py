@@ -30,7 +30,7 @@ from blockspec.clock import wall_clock
 from blockspec.decoding.cache import BatchCache
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.policy import AUTO
-from blockspec.decoding.sequence import GenerationConfig, GenerationStats, Sequence, Step, new_sequence
+from blockspec.decoding.sequence import GenerationConfig, GenerationStats, Sequence, SequenceView, Step, new_sequence
 from blockspec.decoding.step import decode_step, prefill_step
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import Drafter
@@ -39,24 +39,12 @@ from blockspec.models.target import layer_features
 
 
 @dataclass
-class Row:
+class Row(SequenceView):
     """A queued or running sequence of an engine, with the time it was submitted."""
 
     id: int
     sequence: Sequence
     submitted_at: float
-
-    @property
-    def stats(self) -> GenerationStats:
-        return self.sequence.stats
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.sequence.token_ids
-
-    @property
-    def finished(self) -> bool:
-        return self.sequence.finished
 
 
 @dataclass

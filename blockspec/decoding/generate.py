@@ -16,12 +16,12 @@ import torch
 from blockspec.clock import wall_clock
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.policy import AUTO, WidthPolicies
-from blockspec.decoding.sequence import GenerationConfig, GenerationStats, Sequence, new_sequence, widest_verify
+from blockspec.decoding.sequence import GenerationConfig, Sequence, SequenceView, new_sequence, widest_verify
 from blockspec.decoding.step import decode_step, prefill_step
 from blockspec.drafters.base import Drafter
 
 
-class TokenStream:
+class TokenStream(SequenceView):
     """Iterate for ``Step``s as they are decoded; ``stats`` and ``token_ids`` fill in as it runs.
 
     ``width_policies``: where an adaptive width ("auto") keeps its calibration; pass the same
@@ -36,14 +36,6 @@ class TokenStream:
             store = width_policies if width_policies is not None else WidthPolicies()
             self.sequence.width_policy = store.get(target_model, widest_verify(drafter, config),
                                                    tree=bool(config.tree_budget))
-
-    @property
-    def stats(self) -> GenerationStats:
-        return self.sequence.stats
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.sequence.token_ids
 
     @property
     def widths(self) -> list[int]:

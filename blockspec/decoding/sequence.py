@@ -177,6 +177,24 @@ class Sequence:
         return step
 
 
+class SequenceView:
+    """What a driver's handle on one sequence shows (a stream, an engine's row): its tokens and statistics."""
+
+    sequence: Sequence
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.sequence.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.sequence.token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.sequence.finished
+
+
 def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationConfig,
                  width_policy: AdaptiveWidth | None = None) -> Sequence:
     """A sequence ready for its prefill, its options checked (they fail here, not mid-decoding)."""

@@ -15,7 +15,7 @@ from blockspec.drafters.base import Drafter, Proposal
 from blockspec.errors import BlockspecError
 
 # Copied spans are often long (code, quoted text), but on a CPU every extra verify
-# position costs time (DESIGN section 6): 7 drafts per step is the middle ground.
+# position costs time (the target's forward grows with its width): 7 drafts per step is the middle ground.
 DEFAULT_BLOCK_SIZE = 8
 
 
