@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from blockspec.bench import report
-from blockspec.bench.cli import parse_drafts, parse_methods
 from blockspec.bench.datasets import BUNDLED, load_bundled, load_from_directory, select_rows
 from blockspec.bench.methods import LoopMethod, build_methods
 from blockspec.bench.runner import BenchConfig, first_mismatch, run_benchmark
+from blockspec.bench.setup import parse_drafts, parse_methods
 from blockspec.cli import main
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.registry import build_drafter

@@ -138,7 +138,7 @@ def recorded_answers(results: dict, target, data_dir=None) -> list[RecordedAnswe
 
 
 def _rows_by_id(records, data_dir) -> dict:
-    from blockspec.bench.cli import load_prompts
+    from blockspec.bench.setup import load_prompts
 
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
     return {row["id"]: row for row in load_prompts(datasets, data_dir, None, None)}

@@ -1,0 +1,100 @@
+"""What a benchmark run decodes: its prompts, and its methods with their drafters loaded once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from blockspec.bench.datasets import load_benchmark_prompts
+from blockspec.bench.methods import BASELINES, build_methods, parse_method_name
+from blockspec.drafters.registry import (
+    AUTOREGRESSIVE,
+    CHECKPOINT_METHODS,
+    DRAFT_METHODS,
+    DRAFTED_METHODS,
+    build_drafter,
+    shipped_draft,
+)
+from blockspec.errors import BlockspecError
+
+#: Drafters that draft from the context alone, so a run can always include them.
+CONTEXT_DRAFTERS = tuple(name for name in DRAFT_METHODS if name not in DRAFTED_METHODS)
+
+
+def load_prompts(datasets, data_dir, num_prompts, seed) -> list[dict]:
+    """The rows of every data set in ``datasets``; ``data_dir`` None reads the bundled subsets."""
+    source = "bundled" if data_dir is None else data_dir
+    if source not in ("bundled", "hub") and not Path(source).is_dir():
+        raise BlockspecError(f"--data-dir {source} is not a directory (or 'hub')")
+    prompts = []
+    for name in datasets:
+        prompts.extend(load_benchmark_prompts(name, source=source, num_prompts=num_prompts, seed=seed))
+    return prompts
+
+
+def load_methods(target_name: str, methods: str | None = None, drafts: list[str] = (), assistant: str | None = None,
+                 *, device: str | None = None, dtype: str | None = None, block_size: int | str | None = None):
+    """The target and the methods named, each drafter loaded once.
+
+    ``methods``: comma-separated names (None: the default set); ``drafts``: [METHOD=]DIR values;
+    ``assistant``: the small LM of the draft and hf-assisted methods.
+    """
+    from transformers.utils import logging as hf_logging
+
+    from blockspec.models.target import load_target
+
+    hf_logging.disable_progress_bar()
+    drafts = parse_drafts(drafts, target_name)
+    names = parse_methods(methods, drafts, assistant)
+    # dflash@4 and dflash@auto share one drafter; dflash/d2 has its own (its own state and calibration).
+    specs = {spec.drafter: spec for spec in map(parse_method_name, names)}
+    target = load_target(target_name, device=device, dtype=dtype)
+    drafters = {}
+    for key, spec in specs.items():
+        name = spec.base
+        if name in DRAFT_METHODS:
+            draft = drafts.get(name) or (assistant if name == "draft" else None)
+            if name in CHECKPOINT_METHODS and draft is None:
+                raise BlockspecError(f"the {name} method needs --draft {name}=DIR (its checkpoint) for this target")
+            options = {} if spec.denoise_steps == 1 else {"denoise_steps": spec.denoise_steps}
+            drafters[key] = build_drafter(name, target, draft, **options)
+    loaded = None
+    if "hf-assisted" in names:  # the draft method's LM when it is the same one, loaded once
+        wanted = assistant or drafts["draft"]
+        same = "draft" in drafters and (drafts.get("draft") or assistant) == wanted
+        loaded = drafters["draft"].model if same else \
+            load_target(wanted, device=str(target.device), dtype=target.model.dtype).model
+    return target, build_methods(names, target, drafters=drafters, assistant=loaded, block_size=block_size)
+
+
+def parse_drafts(values: list[str], target: str) -> dict[str, str]:
+    """``--draft`` values as {method: directory}; a bare directory is DFlash's."""
+    drafts = {}
+    for value in values:
+        method, _, directory = value.rpartition("=") if "=" in value else ("dflash", "", value)
+        if not directory:
+            raise BlockspecError(f"--draft {value!r}: give DIR or METHOD=DIR")
+        if method not in DRAFTED_METHODS:
+            raise BlockspecError(f"--draft {value!r}: METHOD must be one of {', '.join(DRAFTED_METHODS)}")
+        drafts[method] = directory
+    if "dflash" not in drafts and shipped_draft(target) is not None:
+        drafts["dflash"] = str(shipped_draft(target))
+    return drafts
+
+
+def parse_methods(value: str | None, drafts: dict[str, str], assistant: str | None) -> list[str]:
+    """The method names of a run: ``value`` (comma-separated) or the default set, always with ar."""
+    if value is None:
+        names = [*BASELINES, *CONTEXT_DRAFTERS]
+        names += [m for m in drafts if m not in names]
+        if assistant or "draft" in drafts:
+            names += [m for m in ("draft", "hf-assisted") if m not in names]
+    else:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise BlockspecError("--methods is empty: name at least one method, e.g. ar,dflash")
+    if AUTOREGRESSIVE not in names:
+        names.insert(0, AUTOREGRESSIVE)  # the reference every speedup and token check is measured against
+    if ("draft" in names or "hf-assisted" in names) and not assistant and "draft" not in drafts:
+        raise BlockspecError("the draft and hf-assisted methods need --assistant MODEL or --draft draft=DIR "
+                             "(a smaller LM with the target's tokenizer)")
+    return names
