@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 
+from blockspec.dllm.canvas import MASK_GLYPH, committed_text, render_canvas
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
+from blockspec.tokens import encode_prompt
 
 
 def add_dllm_parsers(commands) -> None:
@@ -130,7 +132,7 @@ def add_generate_parser(commands) -> None:
     add_sampler_options(parser)
     parser.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
     parser.add_argument("--show-steps", action="store_true",
-                        help="print the answer after every step, masks shown as ░ (to standard error)")
+                        help=f"print the answer after every step, masks shown as {MASK_GLYPH} (to standard error)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     parser.set_defaults(run=run_generate)
@@ -144,7 +146,7 @@ def run_generate(args) -> int:
     config = sampler_config(args)
     model, tokenizer = load_diffusion_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device,
                                             dtype=args.dtype, mask_token_id=args.mask_token_id)
-    ids = encode(tokenizer, prompt, use_chat_template=not args.no_chat_template)
+    ids = encode_prompt(tokenizer, prompt, use_chat_template=not args.no_chat_template)
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
     stream = diffusion_generate(model, [ids], config, eos_token_ids=eos)
     printed = ""
@@ -166,34 +168,13 @@ def run_generate(args) -> int:
     return 0
 
 
-def encode(tokenizer, prompt: str, use_chat_template: bool) -> list[int]:
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_dict=False)
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(prompt)["input_ids"]]
-
-
-def committed_prefix(canvas: list[int], mask_id: int, stop_ids) -> list[int]:
-    """The answer's leading tokens that are committed (up to and without a stop token)."""
-    prefix = []
-    for token in canvas:
-        if token == mask_id or token in stop_ids:
-            break
-        prefix.append(token)
-    return prefix
-
-
 def print_new_prefix(tokenizer, canvas, mask_id, printed: str, stop_ids) -> str:
-    text = tokenizer.decode(committed_prefix(canvas, mask_id, stop_ids), skip_special_tokens=True)
+    """Print what the committed text adds to ``printed``; the text printed so far."""
+    text = committed_text(tokenizer, canvas, mask_id, stop_ids)
     if text.startswith(printed) and len(text) > len(printed):
         print(text[len(printed):], end="", flush=True)
         return text
     return printed
-
-
-def render_canvas(tokenizer, canvas: list[int], mask_id: int) -> str:
-    return "".join("░" if token == mask_id else tokenizer.decode([token]) for token in canvas).replace("\n", "⏎")
 
 
 def add_bench_parser(commands) -> None:
@@ -232,7 +213,7 @@ def run_bench(args) -> int:
     rows = load_benchmark_prompts(args.dataset, source=args.source, num_prompts=args.num_prompts)
     model, tokenizer = load_diffusion_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device,
                                             dtype=args.dtype, mask_token_id=args.mask_token_id)
-    prompt_ids = [encode(tokenizer, row["turns"][0], use_chat_template=True) for row in rows]
+    prompt_ids = [encode_prompt(tokenizer, row["turns"][0]) for row in rows]
     meta = {"model": args.model, "dataset": args.dataset, "num_prompts": len(rows), "gen_length": args.gen_length,
             "batch_size": args.batch_size, "ar_target": args.ar_target, "seed": args.seed}
     out = Path(args.out)
