@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.cli import layer_list
+from blockspec.cli.options import layer_list
 from blockspec.models.target import load_target
 from blockspec.training.anchors import build_blocks
 from blockspec.training.samples import load_samples, pad_batch

@@ -1,4 +1,4 @@
-"""`blockspec demo`: DFlash against plain autoregressive decoding on a few bundled prompts.
+"""The demo: DFlash against plain autoregressive decoding on a few bundled prompts.
 
 For each prompt the target decodes greedily twice through the same loop, once alone (AR)
 and once verifying the DFlash drafter's blocks; the DFlash text streams to the terminal,
@@ -220,56 +220,3 @@ def _print_summary(console, figures: list[dict]) -> None:
                       f"from the AR tokens[/]")
     else:
         console.print(f"[green]DFlash output was token-for-token the AR output on all {len(figures)} prompts[/]")
-
-
-# ---------------------------------------------------------------------------------------
-# The command
-
-
-def add_demo_command(commands) -> None:
-    """Add ``demo`` to an argparse subparsers object."""
-    from blockspec.bench.datasets import BUNDLED
-    from blockspec.cli import block_size_arg
-    from blockspec.hub import DEFAULT_TARGET
-
-    parser = commands.add_parser("demo", help="DFlash vs autoregressive decoding on a few bundled prompts")
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"target model: a local directory, a known name, or a hub name (default: {DEFAULT_TARGET})")
-    parser.add_argument("--draft", default=None,
-                        help="DFlash drafter directory (default: the one shipped for the default target)")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                        help=f"tokens per prompt (default: {DEFAULT_MAX_NEW_TOKENS})")
-    parser.add_argument("--block-size", type=block_size_arg, default=DEFAULT_BLOCK_SIZE,
-                        help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by the "
-                             "cost model from the draft's confidence) (default: auto)")
-    parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
-                        help=f"number of prompts, dealt round-robin over the data sets (default: {DEFAULT_NUM_PROMPTS})")
-    parser.add_argument("--dataset", action="append", default=None, metavar="NAME",
-                        help=f"bundled prompt set, repeatable: {', '.join(BUNDLED)} "
-                             f"(default: {', '.join(DEFAULT_DATASETS)})")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
-    parser.set_defaults(run=run_demo_command)
-
-
-def run_demo_command(args) -> int:
-    """Load the models the options name and run the demo; 1 if any output differed from AR, else 0."""
-    from rich.console import Console
-    from transformers.utils import logging as hf_logging
-
-    from blockspec.drafters.registry import load_drafter, shipped_draft
-    from blockspec.models.target import load_target
-
-    hf_logging.disable_progress_bar()
-    prompts = demo_prompts(args.dataset, args.num_prompts)  # bad names fail before any loading
-    draft = args.draft if args.draft is not None else shipped_draft(args.target)
-    if draft is None:
-        raise BlockspecError(f"no drafter is shipped for {args.target}: pass --draft DIR with a DFlash checkpoint "
-                             "made for it")
-    console = Console()
-    console.print(f"loading the target {_plain(args.target)} and the drafter {_plain(draft)} ...", style="dim")
-    target = load_target(args.target, device=getattr(args, "device", None), dtype=getattr(args, "dtype", None))
-    drafter = load_drafter(draft, target)
-    figures = run_demo(target, drafter, prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                       console=console)
-    return 0 if all(f["match"] for f in figures) else 1

@@ -65,7 +65,8 @@ def test_a_real_process_prints_no_traceback(tiny_target_dir):
 def test_the_default_target_drafts_with_the_shipped_drafter(monkeypatch):
     import blockspec.drafters.registry as models
     import blockspec.models.target as target_module
-    from blockspec.cli import build_parser, load_models
+    from blockspec.cli import build_parser
+    from blockspec.cli.generate import load_models
     from blockspec.drafters.registry import shipped_draft
 
     monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
@@ -92,10 +93,11 @@ def test_generate_defaults_to_the_adaptive_width_for_a_dflash_chain():
 
 def test_generate_and_serve_default_to_the_library_tree_fan_out():
     from blockspec.cli import build_parser
-    from blockspec.decoding.sequence import GenerationConfig
+    from blockspec.cli.generate import generation_config
+    from blockspec.cli.serve import decoding_options
     from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
-    from blockspec.serve.engine import DecodingOptions
 
-    assert build_parser().parse_args(["generate", "hello"]).tree_top_k == DEFAULT_TREE_TOP_K
-    assert build_parser().parse_args(["serve"]).tree_top_k == DEFAULT_TREE_TOP_K
-    assert GenerationConfig().tree_top_k == DecodingOptions().tree_top_k == DEFAULT_TREE_TOP_K
+    assert generation_config(build_parser().parse_args(["generate", "hello"])).tree_top_k == DEFAULT_TREE_TOP_K
+    assert decoding_options(build_parser().parse_args(["serve"])).tree_top_k == DEFAULT_TREE_TOP_K
+    assert generation_config(build_parser().parse_args(["generate", "--tree-top-k", "3", "hi"])).tree_top_k == 3
+    assert decoding_options(build_parser().parse_args(["serve", "--tree-top-k", "3"])).tree_top_k == 3

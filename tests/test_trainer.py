@@ -400,7 +400,7 @@ def test_chosen_target_layers_are_read_and_bad_ones_refused(learned_target, trai
 def test_target_layers_parse_from_the_command_line():
     import argparse
 
-    from blockspec.cli import add_train_draft_command
+    from blockspec.cli.train import add_train_draft_command
 
     parser = argparse.ArgumentParser()
     add_train_draft_command(parser.add_subparsers())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,15 +104,6 @@ def train_draft(target_name: str, data: DataConfig, config: TrainConfig, *, resu
         final = trainer.evaluate()
         _say(rank, f"final held-out tau {final['tau']:.2f}")
     return out / "draft"
-
-
-def config_from_args(args) -> tuple[DataConfig, TrainConfig]:
-    data_fields = {f.name for f in dataclasses.fields(DataConfig)}
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = vars(args)
-    data = DataConfig(**{k: values[k] for k in data_fields if k in values})
-    train = TrainConfig(**{k: values[k] for k in train_fields if k in values})
-    return data, train
 
 
 def _say(rank: int, message: str) -> None:

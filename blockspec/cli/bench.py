@@ -6,6 +6,10 @@ import sys
 import time
 from pathlib import Path
 
+from blockspec.cli.options import block_size_arg
+from blockspec.drafters.registry import DRAFT_METHODS, DRAFTED_METHODS
+from blockspec.hub import DEFAULT_TARGET
+
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt_bench")
 DEFAULT_NUM_PROMPTS = 10
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -17,21 +21,32 @@ def add_bench_command(commands) -> None:
         description="Decode the same prompts with every method in one process, interleaved prompt by prompt, "
                     "and write results.json, results.md and PNG plots. In greedy runs every method's tokens are "
                     "checked against ar's; any difference makes the exit code 1.")
-    from blockspec.cli import block_size_arg
-    from blockspec.hub import DEFAULT_TARGET
+    add_models_group(parser.add_argument_group("models"))
+    add_prompts_group(parser.add_argument_group("prompts"))
+    add_decoding_group(parser.add_argument_group("decoding"))
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=None, help="output directory (default: runs/bench-TIMESTAMP)")
+    output.add_argument("--no-plots", action="store_true")
+    output.add_argument("--no-progress", action="store_true")
+    output.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                        help="print two earlier runs side by side and exit")
+    parser.set_defaults(run=run_bench_command)
 
-    models = parser.add_argument_group("models")
+
+def add_models_group(models) -> None:
+    drafted_with_method = [name for name in DRAFTED_METHODS if name != "dflash"]
     models.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
     models.add_argument("--methods", default=None,
                         help="comma-separated: ar, hf, hf-prompt-lookup, hf-assisted, and the drafters "
-                             "dflash, eagle3, mtp, draft, ngram, each also as METHOD@WIDTH with its own verify "
+                             f"{', '.join(DRAFT_METHODS)}, each also as METHOD@WIDTH with its own verify "
                              "width, e.g. dflash@4,dflash@16,dflash@auto, or with a token tree of N nodes, "
                              "dflash@t32; dflash also as dflash[@WIDTH]/dK, drafting in K denoising passes, "
                              "e.g. dflash/d2,dflash@8/d4 (default: ar,hf,hf-prompt-lookup,ngram, plus dflash "
                              "when a DFlash drafter is known, plus the methods of every --draft, plus "
                              "draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
-                        help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for eagle3, mtp, draft "
+                        help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for "
+                             f"{', '.join(drafted_with_method)} "
                              "(repeatable; "
                              "default for the default target: the shipped DFlash drafter)")
     models.add_argument("--assistant", default=None,
@@ -39,7 +54,9 @@ def add_bench_command(commands) -> None:
                              "the draft model of both 'draft' and 'hf-assisted'")
     models.add_argument("--device", default=None)
     models.add_argument("--dtype", default=None)
-    data = parser.add_argument_group("prompts")
+
+
+def add_prompts_group(data) -> None:
     data.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS),
                       help="gsm8k, math500, humaneval, mbpp, mt_bench, or JSON-lines prompt files "
                            f"(default: {' '.join(DEFAULT_DATASETS)})")
@@ -52,7 +69,9 @@ def add_bench_command(commands) -> None:
                            "also seeds sampling")
     data.add_argument("--max-turns", type=int, default=None, help="turns of a multi-turn prompt to decode")
     data.add_argument("--no-chat-template", action="store_true")
-    decoding = parser.add_argument_group("decoding")
+
+
+def add_decoding_group(decoding) -> None:
     decoding.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     decoding.add_argument("--block-size", type=block_size_arg, default=None,
                           help="verify width of the drafting methods, or 'auto' (adaptive width)")
@@ -60,13 +79,6 @@ def add_bench_command(commands) -> None:
     decoding.add_argument("--top-p", type=float, default=1.0)
     decoding.add_argument("--top-k", type=int, default=0)
     decoding.add_argument("--warmup-tokens", type=int, default=16)
-    output = parser.add_argument_group("output")
-    output.add_argument("--out", default=None, help="output directory (default: runs/bench-TIMESTAMP)")
-    output.add_argument("--no-plots", action="store_true")
-    output.add_argument("--no-progress", action="store_true")
-    output.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
-                        help="print two earlier runs side by side and exit")
-    parser.set_defaults(run=run_bench_command)
 
 
 def run_bench_command(args) -> int:
@@ -77,15 +89,10 @@ def run_bench_command(args) -> int:
         print(report.compare_runs(first, second, labels=tuple(args.compare)), end="")
         return 0
     from blockspec.bench.calibration import write_calibration
-    from blockspec.bench.runner import BenchConfig, run_benchmark
+    from blockspec.bench.runner import run_benchmark
     from blockspec.bench.setup import load_methods, load_prompts
-    from blockspec.decoding.sequence import GenerationConfig
 
-    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                  seed=args.seed if args.seed is not None else 0)
-    config = BenchConfig(generation, warmup_tokens=args.warmup_tokens, use_chat_template=not args.no_chat_template,
-                         max_turns=args.max_turns)
+    config = bench_config(args)
     prompts = load_prompts(args.datasets, args.data_dir, args.num_prompts, args.seed)
     target, methods = load_methods(args.target, args.methods, args.draft, args.assistant, device=args.device,
                                    dtype=args.dtype, block_size=args.block_size)
@@ -99,8 +106,24 @@ def run_bench_command(args) -> int:
     print(report.markdown_table(summary), end="")
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)
+    return exit_code(run, len(methods), out)
+
+
+def bench_config(args):
+    from blockspec.bench.runner import BenchConfig
+    from blockspec.decoding.sequence import GenerationConfig
+
+    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  seed=args.seed if args.seed is not None else 0)
+    return BenchConfig(generation, warmup_tokens=args.warmup_tokens, use_chat_template=not args.no_chat_template,
+                       max_turns=args.max_turns)
+
+
+def exit_code(run, num_methods: int, out: Path) -> int:
+    """130 if interrupted, 1 if a method's tokens differ from ar's, else 0 (each reported on stderr)."""
     if run.interrupted:
-        print(f"blockspec bench: interrupted; the {len(run.records) // len(methods)} prompts done are in {out}",
+        print(f"blockspec bench: interrupted; the {len(run.records) // num_methods} prompts done are in {out}",
               file=sys.stderr)
         return 130
     if run.mismatches:

@@ -1,4 +1,4 @@
-"""`blockspec dllm ...`: diffusion language models from the command line."""
+"""`blockspec dllm train|generate|bench`: diffusion language models from the command line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from blockspec.hub import DEFAULT_TARGET
 from blockspec.tokens import encode_prompt
 
 
-def add_dllm_parsers(commands) -> None:
+def add_dllm_command(commands) -> None:
     """The `dllm` command and its actions, under the top-level subparsers ``commands``."""
     parser = commands.add_parser("dllm", help="diffusion language models: generate, adapt an AR model into one "
                                               "(train), benchmark sampler settings (bench)")
@@ -186,11 +186,13 @@ def add_bench_parser(commands) -> None:
                              "(default: steps = gen-length, /2, /4 and threshold 0.9 with and without a cache)")
     parser.add_argument("--gen-length", type=int, default=128)
     parser.add_argument("--dataset", default="gsm8k", help="gsm8k (or a JSON-lines file with answers)")
-    parser.add_argument("--source", default="bundled", help="bundled, hub, or a data directory (e.g. ../shared/datasets)")
+    parser.add_argument("--source", default="bundled",
+                        help="bundled, hub, or a data directory (e.g. ../shared/datasets)")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=1, help="prompts denoised together (default 1)")
     parser.add_argument("--ar-target", default=DEFAULT_TARGET,
-                        help=f"the AR model to compare with on the same prompts ('none' to skip; default {DEFAULT_TARGET})")
+                        help="the AR model to compare with on the same prompts "
+                             f"('none' to skip; default {DEFAULT_TARGET})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/dllm-bench",
                         help="where summary.json, samples.jsonl and the plot go (rewritten after every setting)")

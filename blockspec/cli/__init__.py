@@ -1,0 +1,47 @@
+"""The command line: one module per command, each thin over the library.
+
+Importing it loads no torch or transformers: each command imports them when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from blockspec.cli.bench import add_bench_command
+from blockspec.cli.demo import add_demo_command
+from blockspec.cli.dllm import add_dllm_command
+from blockspec.cli.generate import add_generate_command
+from blockspec.cli.models import add_models_command
+from blockspec.cli.serve import add_loadtest_command, add_serve_command
+from blockspec.cli.train import add_train_draft_command
+from blockspec.errors import BlockspecError
+
+#: The commands, in the order the help lists them.
+COMMANDS = (add_generate_command, add_models_command, add_train_draft_command, add_dllm_command, add_demo_command,
+            add_bench_command, add_serve_command, add_loadtest_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args) or 0
+    except BlockspecError as error:
+        print(f"blockspec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("blockspec: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockspec",
+                                     description="Lossless speculative decoding with DFlash drafters.")
+    commands = parser.add_subparsers(metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(commands)
+    return parser

@@ -1,0 +1,97 @@
+"""`blockspec generate`: text from a prompt, streaming; and the drafter choice generate and serve share."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from blockspec.cli.options import add_model_options, add_sampling_options, tree_top_k_given
+from blockspec.drafters.registry import AUTOREGRESSIVE, DRAFTED_METHODS, detect_method, shipped_draft
+from blockspec.errors import BlockspecError
+
+
+def add_generate_command(commands) -> None:
+    parser = commands.add_parser("generate", help="generate text from a prompt, streaming")
+    add_model_options(parser)
+    add_sampling_options(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
+    parser.set_defaults(run=run_generate)
+
+
+def run_generate(args) -> int:
+    from blockspec.decoding.sequence import preferred_block_size
+    from blockspec.decoding.text import stream_text
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    config = generation_config(args)  # bad values are refused before the models load
+    target, drafter = load_models(args)
+    config = dataclasses.replace(config, block_size=preferred_block_size(drafter, config))
+    stream = stream_text(target, prompt, drafter, config, use_chat_template=not args.no_chat_template)
+    for chunk in stream:
+        if not args.json:
+            print(chunk.text, end="", flush=True)
+    result = stream.result
+    if args.json:
+        print(json.dumps({"method": AUTOREGRESSIVE if drafter is None else drafter.name, **result.to_dict()}))
+    else:
+        stats = result.stats
+        print(f"\n[{'AR' if drafter is None else drafter.name}] {stats.new_tokens} tokens, "
+              f"tau {stats.tau:.2f}, {stats.tokens_per_s:.1f} tokens/s, "
+              f"first token {stats.time_to_first_token * 1000:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def generation_config(args):
+    from blockspec.decoding.sequence import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            tree_budget=args.tree_budget, **tree_top_k_given(args))
+
+
+def drafter_choice(args) -> tuple[str | None, str | None, dict]:
+    """The drafter the model options name: (method, draft, drafter options); method None for AR decoding.
+
+    Nothing loads: the draft's method is read from its config.json when --method does not give it.
+    """
+    method, draft = args.method, args.draft
+    if method == "ngram" and draft is not None:
+        raise BlockspecError("--method ngram drafts from the prompt and takes no --draft: drop --draft")
+    if draft is None and method in (None, "dflash") and (shipped := shipped_draft(args.target)) is not None:
+        draft = str(shipped)
+    if method in DRAFTED_METHODS and draft is None:
+        what = "MODEL (a causal LM directory or a known name)" if method == "draft" else "DIR"
+        raise BlockspecError(f"--method {method} needs --draft {what}")
+    if method == AUTOREGRESSIVE or (method is None and draft is None):
+        return None, None, drafter_options(args, AUTOREGRESSIVE)
+    method = method or detect_method(draft)  # checks the draft before the target loads
+    return method, draft, drafter_options(args, method)
+
+
+def drafter_options(args, method: str) -> dict:
+    """The options of the drafter ``method`` from the command line."""
+    denoise_steps = getattr(args, "denoise_steps", 1)  # serve has no --denoise-steps
+    if denoise_steps != 1 and method != "dflash":
+        raise BlockspecError(f"--denoise-steps is for the dflash drafter (a block denoiser), not {method}: "
+                             "drop it or use --method dflash")
+    options = {"sample_drafts": args.draft_sampling == "sample"} if method in DRAFTED_METHODS else {}
+    if method == "dflash":
+        options["denoise_steps"] = denoise_steps
+    return options
+
+
+def load_models(args):
+    """The target and the drafter the options name (the drafter is None for AR decoding)."""
+    from transformers.utils import logging as hf_logging
+
+    from blockspec.drafters.registry import build_drafter
+    from blockspec.models.target import load_target
+
+    method, draft, options = drafter_choice(args)
+    hf_logging.disable_progress_bar()
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    if method is None:
+        return target, None
+    return target, build_drafter(method, target, draft, **options)

@@ -1,0 +1,90 @@
+"""Options that several commands share, and the argument types they parse with."""
+
+from __future__ import annotations
+
+import argparse
+
+from blockspec.drafters.registry import AUTOREGRESSIVE, DRAFT_METHODS
+from blockspec.hub import DEFAULT_TARGET
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    add_target_option(parser)
+    parser.add_argument("--draft", default=None,
+                        help="the drafter: a DFlash, EAGLE-3 or MTP checkpoint directory, or for --method draft "
+                             "a small causal LM (directory or known name) with the target's tokenizer (default: the "
+                             "shipped DFlash drafter for the default target, none for other targets: autoregressive "
+                             "decoding)")
+    parser.add_argument("--method", default=None, choices=[*DRAFT_METHODS, AUTOREGRESSIVE],
+                        help="drafting method: dflash, eagle3, mtp, draft (a small draft LM), ngram (prompt lookup, "
+                             "no --draft) "
+                             "or ar (no drafter) (default: read from the --draft checkpoint)")
+    add_device_options(parser)
+
+
+def add_target_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="target model: a local directory, a known name, or a hub name "
+                             f"(default: {DEFAULT_TARGET})")
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
+
+
+def block_size_arg(value: str):
+    """--block-size: a whole number >= 1, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)  # the range is checked with the other decoding values
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {value!r}") from None
+
+
+def add_tree_top_k_option(parser: argparse.ArgumentParser) -> None:
+    # None leaves the fan-out to the library: its default lives with the tree code, which imports torch.
+    parser.add_argument("--tree-top-k", type=int, default=None,
+                        help="children per tree node at most (default: the library's fan-out (8))")
+
+
+def tree_top_k_given(args) -> dict:
+    """``{"tree_top_k": N}`` when --tree-top-k was given, else nothing (the library's default applies)."""
+    return {} if args.tree_top_k is None else {"tree_top_k": args.tree_top_k}
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--block-size", type=block_size_arg, default=None,
+                        help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by "
+                             "the cost model from the draft's confidence) (default: auto for a dflash chain, "
+                             "else the drafter's trained size)")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="verify a token tree of this many draft nodes per step (dflash; e.g. 16, 32, 64) "
+                             "instead of one chain")
+    add_tree_top_k_option(parser)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--draft-sampling", choices=["sample", "greedy"], default="sample",
+                        help="at temperature > 0: sample drafts and rejection-sample with q (default), "
+                             "or draft greedily and accept with probability p(draft)")
+    parser.add_argument("--denoise-steps", type=int, default=1, metavar="K",
+                        help="dflash: denoise the draft block in K passes, each committing the most confident "
+                             "masked positions (default 1: the whole block in one pass); with K > 1 drafts "
+                             "are greedy at any temperature")
+    parser.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
+
+
+def layer_list(text: str) -> list[int]:
+    """'1,15,29' -> [1, 15, 29] (for --target-layers)."""
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer numbers separated by commas, e.g. 1,15,29; got {text!r}")
+    if not layers or any(layer < 0 for layer in layers):
+        raise argparse.ArgumentTypeError(f"expected layer numbers >= 0 separated by commas, got {text!r}")
+    return layers

@@ -1,0 +1,94 @@
+"""`blockspec serve` (an OpenAI-compatible HTTP API) and `blockspec loadtest` (measuring one)."""
+
+from __future__ import annotations
+
+import sys
+
+from blockspec.cli.generate import load_models
+from blockspec.cli.options import add_model_options, add_tree_top_k_option, block_size_arg, tree_top_k_given
+from blockspec.errors import BlockspecError
+
+
+def add_serve_command(commands) -> None:
+    parser = commands.add_parser("serve", help="serve the target over an OpenAI-compatible HTTP API")
+    add_model_options(parser)
+    parser.add_argument("--draft-sampling", choices=["sample", "greedy"], default="sample",
+                        help="at temperature > 0: sample drafts (default) or draft greedily")
+    parser.add_argument("--block-size", type=block_size_arg, default=None,
+                        help="verify width of every request (default: the drafter's trained size); 'auto' "
+                             "chooses it each step, and then requests are decoded one at a time")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="verify a token tree of this many draft nodes (dflash); requests are then decoded "
+                             "one at a time")
+    add_tree_top_k_option(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests in flight (waiting + decoding) before new ones get 503 (default 64)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from blockspec.decoding.sequence import GenerationConfig
+    from blockspec.serve.app import create_app
+
+    if not 0 < args.port < 65536:
+        raise BlockspecError(f"--port must be 1..65535, got {args.port}")
+    decoding = decoding_options(args)
+    GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
+    target, drafter = load_models(args)
+    app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                     api_key=args.api_key, decoding=decoding)
+    how = "one request at a time" if decoding.per_sequence else f"batches of up to {args.max_batch_size}"
+    print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, {how}) at "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def decoding_options(args):
+    """How the server verifies every request, from the options."""
+    from blockspec.serve.engine import DecodingOptions
+
+    return DecodingOptions(args.block_size, args.tree_budget, **tree_top_k_given(args))
+
+
+def add_loadtest_command(commands) -> None:
+    parser = commands.add_parser("loadtest",
+                                 help="measure a local `blockspec serve` with concurrent streaming requests")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback addresses only)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    parser.add_argument("--requests", type=int, default=32, help="requests in all (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt", default=None, help="the user message of every request")
+    parser.add_argument("--dataset", default=None,
+                        help="cycle through the prompts of a bundled benchmark set instead (gsm8k, humaneval, ...)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature of the requests (default: the server's, 1.0; 0 is greedy)")
+    parser.add_argument("--model", default=None, help="model id to request (default: the one the server lists)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--timeout", type=float, default=300.0, help="time limit for the whole run in seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run_loadtest)
+
+
+def run_loadtest(args) -> int:
+    from blockspec.serve.loadtest import DEFAULT_PROMPT, print_report
+    from blockspec.serve.loadtest import run_loadtest as load
+
+    prompt = args.prompt or DEFAULT_PROMPT
+    if args.dataset:
+        from blockspec.bench.datasets import load_benchmark_prompts
+
+        prompt = [row["turns"][0] for row in load_benchmark_prompts(args.dataset, num_prompts=args.requests)]
+    report = load(args.url, concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+                  prompt=prompt, timeout=args.timeout, model=args.model, api_key=args.api_key,
+                  temperature=args.temperature)
+    print_report(report, args.json)
+    return 0 if report.errors == 0 else 1
