@@ -62,19 +62,14 @@ def test_a_real_process_prints_no_traceback(tiny_target_dir):
     assert "prompt is empty" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_the_default_target_drafts_with_the_shipped_drafter(monkeypatch):
-    import blockspec.drafters.registry as models
-    import blockspec.models.target as target_module
+def test_the_default_target_drafts_with_the_shipped_drafter():
     from blockspec.cli import build_parser
-    from blockspec.cli.generate import load_models
+    from blockspec.cli.generate import drafter_choice
     from blockspec.drafters.registry import shipped_draft
 
-    monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
-    monkeypatch.setattr(models, "build_drafter", lambda method, target, draft=None, **kw: (draft, method))
-    args = build_parser().parse_args(["generate", "hello"])
-    assert load_models(args) == ("target:smollm2-135m-instruct", (str(shipped_draft("smollm2-135m-instruct")), "dflash"))
-    args = build_parser().parse_args(["generate", "--method", "ar", "hello"])
-    assert load_models(args) == ("target:smollm2-135m-instruct", None)
+    method, draft, _ = drafter_choice(build_parser().parse_args(["generate", "hello"]))
+    assert (method, draft) == ("dflash", str(shipped_draft("smollm2-135m-instruct")))
+    assert drafter_choice(build_parser().parse_args(["generate", "--method", "ar", "hello"])) == (None, None, {})
 
 
 def test_generate_defaults_to_the_adaptive_width_for_a_dflash_chain():

@@ -306,16 +306,12 @@ def test_cli_method_errors(tiny_target_dir, args, message, capsys):
     assert err.startswith("blockspec: error: ") and message in err and err.count("\n") == 1
 
 
-def test_the_default_target_with_draft_methods(monkeypatch):
-    import blockspec.drafters.registry as models
-    import blockspec.models.target as target_module
+def test_the_default_target_with_draft_methods():
     from blockspec.cli import build_parser
-    from blockspec.cli.generate import load_models
+    from blockspec.cli.generate import drafter_choice
 
-    monkeypatch.setattr(target_module, "load_target", lambda name, **kw: f"target:{name}")
-    monkeypatch.setattr(models, "build_drafter", lambda method, target, draft=None, **kw: (method, draft, kw))
     args = build_parser().parse_args(["generate", "--method", "ngram", "hello"])
-    assert load_models(args) == ("target:smollm2-135m-instruct", ("ngram", None, {}))
+    assert drafter_choice(args) == ("ngram", None, {})
     args = build_parser().parse_args(["generate", "--method", "draft", "--draft", "qwen2.5-coder-0.5b-instruct", "hi"])
-    assert load_models(args)[1] == ("draft", "qwen2.5-coder-0.5b-instruct", {"sample_drafts": True})
+    assert drafter_choice(args) == ("draft", "qwen2.5-coder-0.5b-instruct", {"sample_drafts": True})
     assert detect_method("qwen2.5-coder-0.5b-instruct") == "draft"
