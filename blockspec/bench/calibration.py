@@ -8,6 +8,7 @@ from pathlib import Path
 from blockspec.bench.methods import parse_method_name
 from blockspec.bench.plots import calibration_plot
 from blockspec.decoding.policy import WidthPolicies
+from blockspec.io import write_text_atomically
 
 
 def write_calibration(methods, out: Path, *, plots: bool) -> dict[str, Path]:
@@ -15,12 +16,11 @@ def write_calibration(methods, out: Path, *, plots: bool) -> dict[str, Path]:
     curves = {}
     for method in methods:
         label = parse_method_name(method.name).drafter  # dflash and dflash/d2: two drafters of one name
-        for (kind, widest), policy in getattr(method, "width_policies", WidthPolicies()).policies.items():
+        for (kind, widest, _), policy in getattr(method, "width_policies", WidthPolicies()).policies.items():
             curves[f"{label} {kind} (widest {widest})"] = policy.calibrator.curve()
     if not curves:
         return {}
-    path = out / "calibration.json"
-    path.write_text(json.dumps(curves, indent=1))
+    path = write_text_atomically(out / "calibration.json", json.dumps(curves, indent=1))
     paths = {"calibration": path}
     if plots:
         paths["calibration_plot"] = calibration_plot(curves, out / "calibration.png")

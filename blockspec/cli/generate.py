@@ -21,6 +21,7 @@ def add_generate_command(commands) -> None:
 
 
 def run_generate(args) -> int:
+    from blockspec.decoding.generate import warm_up_fast_path
     from blockspec.decoding.sequence import preferred_block_size
     from blockspec.decoding.text import stream_text
 
@@ -28,6 +29,8 @@ def run_generate(args) -> int:
     config = generation_config(args)  # bad values are refused before the models load
     target, drafter = load_models(args)
     config = dataclasses.replace(config, block_size=preferred_block_size(drafter, config))
+    prompt_length = len(target.encode_prompt(prompt, not args.no_chat_template))
+    warm_up_fast_path(target.model, drafter, config, prompt_length)
     stream = stream_text(target, prompt, drafter, config, use_chat_template=not args.no_chat_template)
     for chunk in stream:
         if not args.json:
@@ -48,7 +51,7 @@ def generation_config(args):
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            tree_budget=args.tree_budget, **tree_top_k_given(args))
+                            tree_budget=args.tree_budget, compile=args.compile, **tree_top_k_given(args))
 
 
 def drafter_choice(args) -> tuple[str | None, str | None, dict]:
@@ -83,15 +86,31 @@ def drafter_options(args, method: str) -> dict:
 
 
 def load_models(args):
-    """The target and the drafter the options name (the drafter is None for AR decoding)."""
+    """The target and the drafter the options name (the drafter is None for AR decoding).
+
+    With the fast path chosen (``--compile``), its forward is set up here, saying what it does, and a
+    DFlash drafter reads its drafts through the same packed LM head.
+    """
     from transformers.utils import logging as hf_logging
 
+    from blockspec.decoding.fast import compile_choice, fast_forward
     from blockspec.drafters.registry import build_drafter
     from blockspec.models.target import load_target
 
     method, draft, options = drafter_choice(args)
     hf_logging.disable_progress_bar()
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    if method is None:
-        return target, None
-    return target, build_drafter(method, target, draft, **options)
+    compiled, reason = compile_choice(target.model, args.compile)
+    if compiled:
+        say(reason)
+    if compiled and method == "dflash":
+        options["packed"] = True
+    drafter = None if method is None else build_drafter(method, target, draft, **options)
+    if compiled:
+        fast_forward(target.model, drafter.feature_layers if drafter is not None else None, progress=say)
+    return target, drafter
+
+
+def say(message: str) -> None:
+    """A progress line for the user, apart from the output."""
+    print(f"blockspec: {message}", file=sys.stderr, flush=True)

@@ -7,6 +7,9 @@ import argparse
 from blockspec.drafters.registry import AUTOREGRESSIVE, DRAFT_METHODS
 from blockspec.hub import DEFAULT_TARGET
 
+#: --compile values (blockspec.decoding.sequence.COMPILE_CHOICES; not imported: it loads torch).
+COMPILE_CHOICES = ("auto", "on", "off")
+
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     add_target_option(parser)
@@ -32,6 +35,11 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--dtype", default=None,
                         help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                        help="the target's forward: 'on' the fast path (a static KV cache, oneDNN-packed weights on "
+                             "a CPU, compiled once per verify width and cached on disk), 'off' the eager forward, "
+                             "'auto' the fast path where it pays (supported families; on a CPU from 50M "
+                             "parameters) (default: auto)")
 
 
 def block_size_arg(value: str):

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from blockspec.clock import wall_clock
+from blockspec.decoding.forward import SequenceTarget, VerifyBlock
 from blockspec.io import write_text_atomically
-from blockspec.models.target import position_ids
 
 #: Weight of the newest measurement in the running averages of T(w) and T_draft.
 EMA_WEIGHT = 0.2
@@ -53,43 +52,53 @@ class CostModel:
             self.scale += EMA_WEIGHT * (seconds / self.seconds[width - 1] - self.scale)
 
 
-def measure_costs(model, max_width: int, *, context_length: int = 128, repeats: int = 3) -> CostModel:
-    """T(w) for w = 1..max_width: the median of ``repeats`` forwards of w tokens after a cached context."""
+def measure_costs(model, max_width: int, *, new_target=None, context_length: int = 128,
+                  repeats: int = 3) -> CostModel:
+    """T(w) for w = 1..max_width: the median of ``repeats`` verify forwards of w tokens after a cached context.
+
+    ``new_target()`` gives the ``VerifyTarget`` to time (default: the dynamic-cache forward with
+    hidden states out, as a drafter reading features runs it).
+    """
     device = model.device
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, context_length), generator=generator).to(device)
-    block = torch.randint(0, vocab, (1, max_width), generator=generator).to(device)
+    block = torch.randint(0, vocab, (max_width,), generator=generator).tolist()
+    if new_target is None:
+        new_target = lambda: SequenceTarget(model, [model.config.num_hidden_layers - 1])  # noqa: E731
     seconds = []
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-        model(input_ids=block[:, :1], position_ids=position_ids(context_length, 1, device), cache=cache,
-              use_cache=True)  # warm-up
-        cache.crop(-1)
+        target = new_target()
+        target.prefill(context)
+        _time_verify(target, block[:1], context_length, device)  # warm-up
         for width in range(1, max_width + 1):
-            runs = []
-            for _ in range(repeats):
-                start = wall_clock(device)
-                model(input_ids=block[:, :width], position_ids=position_ids(context_length, width, device),
-                      cache=cache, use_cache=True, output_hidden_states=True)
-                runs.append(wall_clock(device) - start)
-                cache.crop(-width)  # back to the context
+            runs = [_time_verify(target, block[:width], context_length, device) for _ in range(repeats)]
             seconds.append(statistics.median(runs))
     return CostModel(seconds)
 
 
-def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None, measure=None) -> CostModel:
-    """The target's T(w), measured once per model, dtype, device and thread count, then read from disk.
+def _time_verify(target, tokens: list[int], start: int, device) -> float:
+    """Seconds of one verify forward; the cache is then rolled back to the context."""
+    began = wall_clock(device)
+    target.verify([VerifyBlock(list(tokens), start)])
+    seconds = wall_clock(device) - began
+    target.keep([[]])
+    return seconds
+
+
+def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None, measure=None,
+                   path: str = "dynamic") -> CostModel:
+    """The target's T(w), measured once per model, dtype, device, thread count and forward path
+    (``path``: "dynamic", or the fast path's), then read from disk.
 
     ``measure(model, max_width)`` takes the measurement (default ``measure_costs``).
     """
     from blockspec import hub
 
     directory = Path(cache_dir) if cache_dir is not None else hub.home_dir() / "costs"
-    path = directory / f"{_cost_key(model)}.json"
+    file = directory / f"{_cost_key(model, path)}.json"
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(file.read_text())
         fresh = time.time() - float(saved["measured_at"]) < COST_CACHE_MAX_AGE_S
         if fresh and len(saved["seconds"]) >= max_width:
             return CostModel(list(saved["seconds"][:max_width]))
@@ -98,14 +107,14 @@ def cost_model_for(model, max_width: int, *, cache_dir: Path | None = None, meas
     costs = (measure or measure_costs)(model, max_width)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        write_text_atomically(path, json.dumps({"seconds": costs.seconds, "measured_at": time.time(),
-                                                "what": _cost_description(model)}))
+        write_text_atomically(file, json.dumps({"seconds": costs.seconds, "measured_at": time.time(),
+                                                "what": _cost_description(model, path)}))
     except OSError:  # a read-only cache only costs a new calibration next time
         pass
     return CostModel(list(costs.seconds))
 
 
-def _cost_description(model) -> dict:
+def _cost_description(model, path: str) -> dict:
     """What T(w) depends on; a change in any of it (a new machine, a torch upgrade) measures again."""
     import transformers
 
@@ -115,7 +124,7 @@ def _cost_description(model) -> dict:
             "dtype": str(next(model.parameters()).dtype), "device": str(model.device),
             "hardware": _hardware_name(model.device),
             "threads": torch.get_num_threads() if model.device.type == "cpu" else None,
-            "torch": torch.__version__, "transformers": transformers.__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__, "path": path}
 
 
 def _hardware_name(device: torch.device) -> str:
@@ -131,7 +140,7 @@ def _hardware_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _cost_key(model) -> str:
-    return hashlib.sha256(json.dumps(_cost_description(model), sort_keys=True).encode()).hexdigest()[:16]
+def _cost_key(model, path: str) -> str:
+    return hashlib.sha256(json.dumps(_cost_description(model, path), sort_keys=True).encode()).hexdigest()[:16]
 
 

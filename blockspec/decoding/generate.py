@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from blockspec.clock import wall_clock
+from blockspec.decoding.fast import FastForward, StaticTarget, compile_choice, fast_forward
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.policy import AUTO, WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig, Sequence, SequenceView, new_sequence, widest_verify
@@ -29,13 +30,14 @@ class TokenStream(SequenceView):
     """
 
     def __init__(self, target_model, input_ids, drafter: Drafter | None, config: GenerationConfig, *,
-                 width_policies: WidthPolicies | None = None):
+                 width_policies: WidthPolicies | None = None, fast: FastForward | None = None):
         self.model = target_model
         self.sequence: Sequence = new_sequence(target_model, input_ids, drafter, config)
+        self.fast = fast if fast is not None else _fast_forward_for(target_model, drafter, config)
         if config.block_size == AUTO:
             store = width_policies if width_policies is not None else WidthPolicies()
             self.sequence.width_policy = store.get(target_model, widest_verify(drafter, config),
-                                                   tree=bool(config.tree_budget))
+                                                   tree=bool(config.tree_budget), fast=self.fast)
 
     @property
     def widths(self) -> list[int]:
@@ -48,8 +50,7 @@ class TokenStream(SequenceView):
 
     def _run(self):
         sequence, device = self.sequence, self.model.device
-        drafter = sequence.drafter
-        target = SequenceTarget(self.model, drafter.feature_layers if drafter is not None else None)
+        target = self._target()
         started = wall_clock(device)
         step = prefill_step(target, sequence)
         sequence.stats.time_to_first_token = sequence.stats.total_time = wall_clock(device) - started
@@ -59,10 +60,36 @@ class TokenStream(SequenceView):
             sequence.stats.total_time = wall_clock(device) - started
             yield step
 
+    def _target(self):
+        """This sequence's target forwards: the fast path's static cache, or a dynamic cache of its own."""
+        sequence = self.sequence
+        if self.fast is not None:
+            return StaticTarget(self.fast, sequence.input_ids.shape[1] + sequence.max_new_tokens + 1)
+        drafter = sequence.drafter
+        return SequenceTarget(self.model, drafter.feature_layers if drafter is not None else None)
+
+
+def warm_up_fast_path(model, drafter: Drafter | None, config: GenerationConfig, prompt_length: int) -> None:
+    """Compile (or load) the fast path's graphs a decode under ``config`` will use, ahead of timing it."""
+    fast = _fast_forward_for(model, drafter, config)
+    if fast is not None:
+        fast.warm_up(widest_verify(drafter, config), prompt_length + config.max_new_tokens + 1)
+
+
+def _fast_forward_for(model, drafter: Drafter | None, config: GenerationConfig) -> FastForward | None:
+    compiled, _ = compile_choice(model, config.compile)
+    if not compiled:
+        return None
+    return fast_forward(model, drafter.feature_layers if drafter is not None else None)
+
 
 def speculative_generate(target_model, input_ids, drafter: Drafter | None = None,
                          config: GenerationConfig | None = None, *,
-                         width_policies: WidthPolicies | None = None) -> TokenStream:
-    """A lazy stream of decoding steps; without a drafter, plain autoregressive decoding."""
+                         width_policies: WidthPolicies | None = None,
+                         fast: FastForward | None = None) -> TokenStream:
+    """A lazy stream of decoding steps; without a drafter, plain autoregressive decoding.
+
+    ``fast``: run the target through the fast path (a static cache and compiled forwards).
+    """
     return TokenStream(target_model, input_ids, drafter, config or GenerationConfig(),
-                       width_policies=width_policies)
+                       width_policies=width_policies, fast=fast)

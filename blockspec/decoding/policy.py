@@ -184,19 +184,21 @@ class AdaptiveWidth:
 class WidthPolicies:
     """The adaptive-width policies of one driver (a stream of prompts, a server, a benchmark method).
 
-    One policy per kind of step (chain, or tree) and widest width, so its calibration carries
-    over from prompt to prompt. ``measure`` gives the target's T(w) (default: measured once per
-    model and machine, cached on disk).
+    One policy per kind of step (chain, or tree), widest width and forward path, so its
+    calibration carries over from prompt to prompt. ``measure(model, widest)`` gives the
+    target's T(w) (default: measured once per model, machine and forward path, cached on disk).
     """
 
-    def __init__(self, measure: Callable[..., CostModel] = cost_model_for):
+    def __init__(self, measure: Callable[..., CostModel] | None = None):
         self.measure = measure
-        self.policies: dict[tuple[str, int], AdaptiveWidth] = {}
+        self.policies: dict[tuple[str, int, str], AdaptiveWidth] = {}
 
-    def get(self, model, widest: int, *, tree: bool) -> AdaptiveWidth:
-        key = ("tree" if tree else "chain", widest)
+    def get(self, model, widest: int, *, tree: bool, fast=None) -> AdaptiveWidth:
+        """``fast``: the fast path's forward the target runs through (its own T(w)), None for the eager one."""
+        key = ("tree" if tree else "chain", widest, "dynamic" if fast is None else fast.path)
         if key not in self.policies:
-            self.policies[key] = AdaptiveWidth(self.measure(model, widest))
+            measure = self.measure or (cost_model_for if fast is None else fast.cost_model)
+            self.policies[key] = AdaptiveWidth(measure(model, widest))
         return self.policies[key]
 
     def all(self) -> list[AdaptiveWidth]:

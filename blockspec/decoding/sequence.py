@@ -8,6 +8,9 @@ import torch
 
 from blockspec.decoding.policy import AUTO, AdaptiveWidth, check_block_size
 from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
+
+#: ``GenerationConfig.compile`` values.
+COMPILE_CHOICES = ("auto", "on", "off")
 from blockspec.drafters.base import Drafter, DraftState, TreeDrafter
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig
@@ -27,6 +30,9 @@ class GenerationConfig:
     #: Tree verification: draft nodes per step (None: a chain), children per node at most.
     tree_budget: int | None = None
     tree_top_k: int = DEFAULT_TREE_TOP_K
+    #: The target's forward: "off" the eager one over a dynamic cache; "on" the compiled fast path
+    #: (a static cache, one graph per width bucket); "auto" the fast path where it pays.
+    compile: str = "off"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -36,6 +42,8 @@ class GenerationConfig:
             raise BlockspecError(f"tree_budget must be >= 1 draft nodes, got {self.tree_budget}")
         if self.tree_top_k < 1:
             raise BlockspecError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+        if self.compile not in COMPILE_CHOICES:
+            raise BlockspecError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
 
         self.sampling  # validates the sampling values
 
@@ -207,8 +215,13 @@ def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationCo
 
 
 def widest_verify(drafter: Drafter | None, config: GenerationConfig) -> int:
-    """The widest forward the adaptive policy may choose: a tree's nodes + 1, else the block size."""
-    return config.tree_budget + 1 if config.tree_budget else resolve_block_size(drafter, AUTO)
+    """The widest verify forward a decode under ``config`` may run: a tree's nodes + 1, else the block size
+    (with "auto": the widest the policy may choose)."""
+    if drafter is None:
+        return 1
+    if config.tree_budget:
+        return config.tree_budget + 1
+    return resolve_block_size(drafter, AUTO if config.block_size == AUTO else config.block_size)
 
 
 def check_tree_drafter(drafter: Drafter | None, tree_budget: int | None) -> None:
