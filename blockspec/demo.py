@@ -42,14 +42,17 @@ def demo_prompts(datasets=None, num_prompts: int = DEFAULT_NUM_PROMPTS) -> list[
 
 
 def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-             block_size: int | str | None = DEFAULT_BLOCK_SIZE, console=None) -> list[dict]:
-    """Decode each prompt with AR and with DFlash (greedy), stream the DFlash text; figures per prompt.
+             block_size: int | str | None = DEFAULT_BLOCK_SIZE, compile: str = "off", console=None) -> list[dict]:
+    """Decode each prompt with Hugging Face ``generate`` (eager), AR and DFlash (greedy; the two through
+    blockspec's loop, on the fast path with ``compile``), stream the DFlash text; figures per prompt.
 
     ``prompts`` are bundled rows (dicts with ``turns``; the first turn is used) or strings.
     ``block_size``: a verify width, None for the drafter's trained size, or "auto".
     """
     from rich.console import Console
 
+    from blockspec.bench.methods import HFGenerateMethod
+    from blockspec.decoding.fast import compile_choice
     from blockspec.decoding.policy import AUTO, WidthPolicies
     from blockspec.decoding.sequence import GenerationConfig, resolve_block_size
 
@@ -57,26 +60,32 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
     rows = [_as_row(prompt, i) for i, prompt in enumerate(prompts)]
     if not rows:
         raise BlockspecError("the demo needs at least one prompt")
-    ar_config = GenerationConfig(max_new_tokens=max_new_tokens)
+    ar_config = GenerationConfig(max_new_tokens=max_new_tokens, compile=compile,
+                                 stop_token_ids=target.stop_token_ids())
     dflash_config = replace(ar_config, block_size=block_size)
     width = resolve_block_size(drafter, block_size)  # checks the block size before any decoding
     described = f"verify width auto (1..{width})" if block_size == AUTO else f"block size {width}"
 
     model = target.model
+    path = "fast path" if compile_choice(model, compile)[0] else "eager forward"
     console.print(f"[bold]blockspec demo[/]: target [cyan]{_plain(target.name)}[/] on {model.device} "
-                  f"({str(model.dtype).removeprefix('torch.')})\n"
-                  f"drafter [cyan]{drafter.name}[/], {described}, greedy, up to {max_new_tokens} new tokens")
+                  f"({str(model.dtype).removeprefix('torch.')}), blockspec's {path}\n"
+                  f"drafter [cyan]{drafter.name}[/], {described}, greedy, up to {max_new_tokens} new tokens; "
+                  "against HF generate (eager) and AR through the same loop")
     policies = WidthPolicies()  # the adaptive width's calibration carries over the prompts
-    _warm_up(target, drafter, _chat_prompt(target, rows[0]), dflash_config, policies)
+    hf = HFGenerateMethod("hf", model, pad_token_id=_pad_id(target))
+    longest = max(len(target.encode_prompt(_chat_prompt(target, row))) for row in rows)
+    _warm_up(target, drafter, _chat_prompt(target, rows[0]), dflash_config, policies, hf, longest)
 
     figures = []
     for index, row in enumerate(rows, start=1):
         _print_header(console, index, len(rows), row)
         prompt = _chat_prompt(target, row)
+        baseline = hf.decode(target.encode_prompt(prompt), ar_config)
         ar = _decode(target, prompt, None, ar_config)
         dflash = _decode(target, prompt, drafter, dflash_config, console=console, width_policies=policies)
         console.print()
-        figure = _figures(row, ar, dflash, block_size if block_size == AUTO else width)
+        figure = _figures(row, baseline, ar, dflash, block_size if block_size == AUTO else width)
         figures.append(figure)
         _print_figures(console, figure)
     _print_summary(console, figures)
@@ -99,13 +108,23 @@ def _chat_prompt(target, row: dict):
     return text
 
 
-def _warm_up(target, drafter, prompt, config, width_policies) -> None:
-    """A few tokens both ways, so that first-call overhead does not land on the first prompt."""
+def _warm_up(target, drafter, prompt, config, width_policies, hf, longest: int) -> None:
+    """A few tokens every way, and the fast path's graphs for the longest prompt, so that first-call
+    overheads do not land on the first prompt."""
+    from blockspec.decoding.generate import warm_up_fast_path
     from blockspec.decoding.text import generate_text
 
     warm = replace(config, max_new_tokens=_WARMUP_TOKENS)
+    hf.decode(target.encode_prompt(prompt), warm)
     generate_text(target, prompt, None, replace(warm, block_size=None))
     generate_text(target, prompt, drafter, warm, width_policies=width_policies)
+    warm_up_fast_path(target.model, None, replace(config, block_size=None), longest)
+    warm_up_fast_path(target.model, drafter, config, longest)
+
+
+def _pad_id(target) -> int:
+    pad = target.tokenizer.pad_token_id
+    return pad if pad is not None else (target.stop_token_ids() or [0])[0]
 
 
 def _decode(target, prompt, drafter, config, console=None, width_policies=None) -> dict:
@@ -126,12 +145,15 @@ def _decode(target, prompt, drafter, config, console=None, width_policies=None) 
             "prompt_tokens": len(result.prompt_ids)}
 
 
-def _figures(row: dict, ar: dict, dflash: dict, block_size: int | str) -> dict:
+def _figures(row: dict, baseline, ar: dict, dflash: dict, block_size: int | str) -> dict:
     ar_ids, dflash_ids = ar["token_ids"], dflash["token_ids"]
     mismatch = next((i for i, (a, b) in enumerate(zip(ar_ids, dflash_ids)) if a != b), None)
     if mismatch is None and len(ar_ids) != len(dflash_ids):
         mismatch = min(len(ar_ids), len(dflash_ids))
     stats = dflash["stats"]
+    hf_tokens_per_s = len(baseline.token_ids) / baseline.seconds if baseline.seconds > 0 else 0.0
+    ar_tokens_per_s = len(ar_ids) / ar["time"] if ar["time"] > 0 else 0.0
+    dflash_tokens_per_s = len(dflash_ids) / dflash["time"] if dflash["time"] > 0 else 0.0
     return {
         "id": row.get("id"),
         "dataset": row.get("dataset"),
@@ -146,9 +168,14 @@ def _figures(row: dict, ar: dict, dflash: dict, block_size: int | str) -> dict:
         "mean_verify_width": statistics.mean(stats.verified) if stats.verified else 0.0,
         "ar_time": ar["time"],
         "dflash_time": dflash["time"],
-        "ar_tokens_per_s": len(ar_ids) / ar["time"] if ar["time"] > 0 else 0.0,
-        "dflash_tokens_per_s": len(dflash_ids) / dflash["time"] if dflash["time"] > 0 else 0.0,
-        "speedup": ar["time"] / dflash["time"] if dflash["time"] > 0 else 0.0,
+        "hf_tokens_per_s": hf_tokens_per_s,
+        "ar_tokens_per_s": ar_tokens_per_s,
+        "dflash_tokens_per_s": dflash_tokens_per_s,
+        #: DFlash over AR through the same loop and forward, and over HF generate (eager); AR over HF.
+        "speedup": dflash_tokens_per_s / ar_tokens_per_s if ar_tokens_per_s > 0 else 0.0,
+        "speedup_vs_hf": dflash_tokens_per_s / hf_tokens_per_s if hf_tokens_per_s > 0 else 0.0,
+        "ar_vs_hf": ar_tokens_per_s / hf_tokens_per_s if hf_tokens_per_s > 0 else 0.0,
+        "hf_same_tokens": baseline.token_ids == list(ar_ids),
         "ar_ttft": ar["stats"].time_to_first_token,
         "dflash_ttft": stats.time_to_first_token,
         "match": mismatch is None,
@@ -189,8 +216,9 @@ def _print_figures(console, figure: dict) -> None:
     console.print(
         f"[bold]tau[/] {figure['tau']:.2f}  "
         f"[bold]verify width[/] {figure['mean_verify_width']:.1f} mean  "
-        f"[bold]tok/s[/] DFlash {figure['dflash_tokens_per_s']:.1f}, AR {figure['ar_tokens_per_s']:.1f}  "
-        f"[bold green]speedup {figure['speedup']:.2f}x[/]  "
+        f"[bold]tok/s[/] DFlash {figure['dflash_tokens_per_s']:.1f}, AR {figure['ar_tokens_per_s']:.1f}, "
+        f"HF {figure['hf_tokens_per_s']:.1f}  "
+        f"[bold green]speedup {figure['speedup']:.2f}x over AR, {figure['speedup_vs_hf']:.2f}x over HF[/]  "
         f"[bold]TTFT[/] {figure['dflash_ttft'] * 1000:.0f} ms (AR {figure['ar_ttft'] * 1000:.0f} ms)"
         + ("" if figure["match"] else "  [bold red]MISMATCH[/]")
     )
@@ -200,20 +228,26 @@ def _print_summary(console, figures: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="DFlash vs autoregressive, greedy", title_style="bold")
-    for name in ("prompt", "tokens", "tau", "verify\nwidth", "AR\ntok/s", "DFlash\ntok/s", "speedup", "first token\nms AR/DF", "same"):
+    columns = ("prompt", "tokens", "tau", "verify\nwidth", "HF\ntok/s", "AR\ntok/s", "DFlash\ntok/s", "x AR",
+               "x HF", "first token\nms AR/DF", "same")
+    for name in columns:
         table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=name != "prompt")
     for f in figures:
         table.add_row(_plain(f["id"]), str(f["new_tokens"]), f"{f['tau']:.2f}", f"{f['mean_verify_width']:.1f}",
-                      f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}", f"{f['speedup']:.2f}x",
+                      f"{f['hf_tokens_per_s']:.1f}", f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}",
+                      f"{f['speedup']:.2f}x", f"{f['speedup_vs_hf']:.2f}x",
                       f"{f['ar_ttft'] * 1000:.0f}/{f['dflash_ttft'] * 1000:.0f}",
                       "[green]yes[/]" if f["match"] else "[bold red]NO[/]")
     console.print()
     console.print(table)
-    speedups = [f["speedup"] for f in figures]
     taus = [f["tau"] for f in figures]
-    console.print(f"speedup: mean [bold green]{statistics.mean(speedups):.2f}x[/], "
-                  f"median {statistics.median(speedups):.2f}x   "
-                  f"tau: mean [bold]{statistics.mean(taus):.2f}[/], median {statistics.median(taus):.2f}")
+    for label, key in (("DFlash over AR (the same loop and forward)", "speedup"),
+                       ("DFlash over HF generate (eager)", "speedup_vs_hf"),
+                       ("AR over HF generate (eager)", "ar_vs_hf")):
+        values = [f[key] for f in figures]
+        console.print(f"{label}: mean [bold green]{statistics.mean(values):.2f}x[/], "
+                      f"median {statistics.median(values):.2f}x")
+    console.print(f"tau: mean [bold]{statistics.mean(taus):.2f}[/], median {statistics.median(taus):.2f}")
     mismatches = sum(not f["match"] for f in figures)
     if mismatches:
         console.print(f"[bold red]WARNING: {mismatches} of {len(figures)} prompts gave DFlash tokens that differ "

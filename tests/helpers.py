@@ -315,14 +315,14 @@ def exact_joint(target, sampling: SamplingConfig) -> dict:
 
 
 def sampled_joint(target, drafter, sampling: SamplingConfig, samples: int, *, block_size=3,
-                  tree_budget=None, tree_top_k=8, width_policies=None) -> dict:
+                  tree_budget=None, tree_top_k=8, width_policies=None, fast=None) -> dict:
     """Counts of the NEW_TOKENS-token outputs of ``samples`` seeded speculative decodes."""
     counts = {}
     for seed in range(samples):
         config = GenerationConfig(max_new_tokens=NEW_TOKENS, block_size=block_size, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, tree_budget=tree_budget,
                                   tree_top_k=tree_top_k)
-        stream = decode(target, PROMPT, drafter, config, width_policies=width_policies)
+        stream = decode(target, PROMPT, drafter, config, width_policies=width_policies, fast=fast)
         key = tuple(stream.token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts

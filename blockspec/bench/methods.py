@@ -10,17 +10,18 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.generate import speculative_generate, warm_up_fast_path
 from blockspec.decoding.policy import WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.errors import BlockspecError
 
 #: Methods that need no drafter and no second model.
-BASELINES = ("ar", "hf", "hf-prompt-lookup")
+BASELINES = ("ar", "hf", "hf-compiled", "hf-prompt-lookup")
 #: HF's prompt lookup drafts this many tokens per step unless a block size is given (its docs' value).
 HF_PROMPT_LOOKUP_TOKENS = 10
 
@@ -59,10 +60,7 @@ class LoopMethod:
         self.width_policies = WidthPolicies()
 
     def decode(self, prompt_ids, config):
-        if self.block_size is not None:
-            config = dataclasses.replace(config, block_size=self.block_size)
-        if self.tree_budget is not None:
-            config = dataclasses.replace(config, tree_budget=self.tree_budget)
+        config = self._config(config)
         with MemoryMeter(self.model.device) as memory:
             stream = speculative_generate(self.model, torch.tensor([prompt_ids]), self.drafter, config,
                                           width_policies=self.width_policies)
@@ -74,13 +72,35 @@ class LoopMethod:
                       memory.peak_mib, stats.finish_reason, list(stats.verified))
 
 
+    def warm_up(self, longest: int, config: GenerationConfig) -> None:
+        """The fast path's graphs for sequences of up to ``longest`` positions (nothing without it)."""
+        config = self._config(config)
+        warm_up_fast_path(self.model, self.drafter, config, longest - config.max_new_tokens)
+
+    def _config(self, config: GenerationConfig) -> GenerationConfig:
+        """The run's config with this method's own verify width or tree budget."""
+        if self.block_size is not None:
+            config = dataclasses.replace(config, block_size=self.block_size)
+        if self.tree_budget is not None:
+            config = dataclasses.replace(config, tree_budget=self.tree_budget)
+        return config
+
+
 class HFGenerateMethod:
     """Hugging Face ``generate``: plain, assisted by a draft model, or with prompt lookup."""
 
+    #: It runs the target through Hugging Face's own forward, not blockspec's: its greedy tokens may part
+    #: from ar's where float rounding flips a near tie.
+    cross_path = True
+
     def __init__(self, name: str, model, *, pad_token_id: int, assistant=None, prompt_lookup_tokens=None,
-                 assistant_tokens=None):
+                 assistant_tokens=None, compiled: bool = False):
         self.name = name
         self.model = model
+        #: HF's own compiled decoding: a static cache and its torch.compile'd forward, the cache sized once
+        #: for the run's longest sequence (``warm_up``) so that no prompt compiles again.
+        self.compiled = compiled
+        self.max_cache_len: int | None = None
         self.pad_token_id = pad_token_id
         self.assistant = assistant
         self.prompt_lookup_tokens = prompt_lookup_tokens
@@ -103,6 +123,12 @@ class HFGenerateMethod:
         return Decode(tokens, seconds, recorder.time_to_first_token, steps,
                       peak_memory_mib=memory.peak_mib, finish_reason=finish)
 
+    def warm_up(self, longest: int, config: GenerationConfig) -> None:
+        """Compiled: size the static cache for the run's longest sequence and compile for it now."""
+        if self.compiled:
+            self.max_cache_len = longest + 1
+            self.decode([0] * 8, dataclasses.replace(config, max_new_tokens=4))
+
     @property
     def _drafts(self) -> bool:
         return self.assistant is not None or self.prompt_lookup_tokens is not None
@@ -119,10 +145,25 @@ class HFGenerateMethod:
             options.update(num_assistant_tokens=self.assistant_tokens, num_assistant_tokens_schedule="constant")
         if self.prompt_lookup_tokens is not None:
             options.update(prompt_lookup_num_tokens=self.prompt_lookup_tokens)
+        if self.compiled:
+            options.update(cache_implementation="static", compile_config=_compile_everywhere(),
+                           max_cache_len=self.max_cache_len)
         return HFGenerationConfig(**options)
 
     def _drafting_options(self) -> dict:
         return {"assistant_model": self.assistant} if self.assistant is not None else {}
+
+
+def _compile_everywhere():
+    """HF's compile settings for generate, on any device (HF compiles by itself on GPUs only)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from blockspec.decoding.fast import configure_inductor
+
+    configure_inductor()  # its compiled graphs are cached beside the fast path's
+    config = CompileConfig(mode="default" if not torch.cuda.is_available() else "reduce-overhead", dynamic=False)
+    config._compile_all_devices = True
+    return config
 
 
 class StepRecorder:
@@ -158,10 +199,14 @@ class StepRecorder:
 
 
 class MemoryMeter:
-    """Peak memory during a block: CUDA's allocator peak, or on a CPU the process's resident
-    set, sampled every few milliseconds by a background thread."""
+    """Peak memory during a block: CUDA's allocator peak, or on a CPU the process's peak resident set.
 
-    INTERVAL_S = 0.002
+    On Linux the kernel's own high-water mark is reset at the start (``/proc/self/clear_refs``) and read
+    at the end, so nothing runs beside the decode; elsewhere a thread samples the resident set.
+    """
+
+    INTERVAL_S = 0.02
+    _STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -172,7 +217,7 @@ class MemoryMeter:
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        elif not self._reset_high_water_mark():
             import psutil
 
             self._process = psutil.Process()
@@ -184,11 +229,26 @@ class MemoryMeter:
     def __exit__(self, *exc_info):
         if self.device.type == "cuda":
             self.peak_mib = torch.cuda.max_memory_allocated(self.device) / 2**20
+        elif self._thread is None:
+            self.peak_mib = self._high_water_mark_kib() / 2**10
         else:
             self._stop.set()
             self._thread.join()
             self.peak_mib = max(self._peak, self._process.memory_info().rss) / 2**20
         return False
+
+    def _reset_high_water_mark(self) -> bool:
+        try:
+            self._CLEAR.write_text("5")
+            return self._high_water_mark_kib() > 0
+        except (OSError, ValueError):
+            return False
+
+    def _high_water_mark_kib(self) -> int:
+        for line in self._STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise ValueError("no VmHWM in /proc/self/status")
 
     def _sample(self) -> None:
         while not self._stop.wait(self.INTERVAL_S):
@@ -263,6 +323,8 @@ def build_methods(names, target, *, drafters: dict | None = None, assistant=None
             methods.append(LoopMethod("ar", target.model))
         elif name == "hf":
             methods.append(HFGenerateMethod("hf", target.model, pad_token_id=pad))
+        elif name == "hf-compiled":
+            methods.append(HFGenerateMethod(name, target.model, pad_token_id=pad, compiled=True))
         elif name == "hf-prompt-lookup":
             methods.append(HFGenerateMethod(name, target.model, pad_token_id=pad,
                                             prompt_lookup_tokens=draft_tokens or HF_PROMPT_LOOKUP_TOKENS))

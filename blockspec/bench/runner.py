@@ -69,12 +69,20 @@ class BenchRun:
 
     @property
     def mismatches(self) -> list[dict]:
-        return [r for r in self.records if r.get("matches_reference") is False]
+        """Decodes whose tokens differ from ar's through the same forward: a loss of losslessness."""
+        return [r for r in self.records if r.get("matches_reference") is False and not r.get("cross_path")]
+
+    @property
+    def cross_path_differences(self) -> list[dict]:
+        """Decodes through another forward (HF's) whose tokens differ from ar's, each with the target's logit
+        margin where they part: float rounding across kernels can flip a near tie."""
+        return [r for r in self.records if r.get("matches_reference") is False and r.get("cross_path")]
 
     def to_dict(self) -> dict:
         return {"target": self.target, "methods": self.methods, "config": self.config.to_dict(),
                 "environment": self.environment, "started": self.started, "seconds": self.seconds,
-                "interrupted": self.interrupted, "mismatches": len(self.mismatches), "records": self.records}
+                "interrupted": self.interrupted, "mismatches": len(self.mismatches),
+                "cross_path_differences": len(self.cross_path_differences), "records": self.records}
 
 
 def run_benchmark(target, methods, prompts: list[dict], config: BenchConfig, *, progress: bool = True) -> BenchRun:
@@ -93,11 +101,12 @@ def run_benchmark(target, methods, prompts: list[dict], config: BenchConfig, *, 
     bar = tqdm(prompts, desc="bench", unit="prompt", disable=not progress, dynamic_ncols=True)
     try:
         if config.warmup_tokens:
-            _warm_up(target, methods, prompts[0], config)
+            _warm_up(target, methods, prompts, config)
         for index, row in enumerate(bar):
             order = methods[index % len(methods):] + methods[: index % len(methods)]
             decoded = {m.name: _decode_conversation(target, m, row, config) for m in order}
-            records = [_record(row, name, decoded[name], decoded.get(REFERENCE_METHOD), config) for name in names]
+            reference = decoded.get(REFERENCE_METHOD)
+            records = [_record(target, row, m, decoded[m.name], reference, config) for m in methods]
             run.records.extend(records)
             bar.set_postfix_str(_postfix(run.records, names))
     except KeyboardInterrupt:
@@ -108,11 +117,24 @@ def run_benchmark(target, methods, prompts: list[dict], config: BenchConfig, *, 
     return run
 
 
-def _warm_up(target, methods, row: dict, config: BenchConfig) -> None:
-    """A short decode per method, so that first-call costs do not land on the first prompt."""
+def _warm_up(target, methods, prompts: list[dict], config: BenchConfig) -> None:
+    """A short decode per method, and the fast path's graphs for the longest sequence of the run, so that
+    first-call costs do not land on the first prompts."""
     short = replace(config, generation=replace(config.generation, max_new_tokens=config.warmup_tokens), max_turns=1)
     for method in methods:
-        _decode_conversation(target, method, row, short)
+        _decode_conversation(target, method, prompts[0], short)
+    longest = max(_longest_sequence(target, row, config) for row in prompts)
+    for method in methods:
+        if hasattr(method, "warm_up"):
+            method.warm_up(longest, config.generation_config(target.stop_token_ids()))
+
+
+def _longest_sequence(target, row: dict, config: BenchConfig) -> int:
+    """Positions a row's conversation can reach: its user turns and a full answer to each."""
+    turns = row["turns"][: config.max_turns] if config.max_turns else row["turns"]
+    history = [{"role": "user", "content": turn} for turn in turns]
+    prompt = encode_prompt(target.tokenizer, history, use_chat_template=config.use_chat_template)
+    return len(prompt) + len(turns) * config.generation.max_new_tokens
 
 
 def _decode_conversation(target, method, row: dict, config: BenchConfig) -> list[dict]:
@@ -133,7 +155,8 @@ def _decode_conversation(target, method, row: dict, config: BenchConfig) -> list
     return results
 
 
-def _record(row: dict, method: str, turns: list[dict], reference: list[dict] | None, config: BenchConfig) -> dict:
+def _record(target, row: dict, method, turns: list[dict], reference: list[dict] | None,
+            config: BenchConfig) -> dict:
     decodes = [t["decode"] for t in turns]
     new_tokens = sum(len(d.token_ids) for d in decodes)
     seconds = sum(d.seconds for d in decodes)
@@ -141,7 +164,7 @@ def _record(row: dict, method: str, turns: list[dict], reference: list[dict] | N
     record = {
         "id": row.get("id"),
         "dataset": row.get("dataset"),
-        "method": method,
+        "method": method.name,
         "turns": len(turns),
         "prompt_tokens": [len(t["prompt_ids"]) for t in turns],
         "prompt_ids": [list(t["prompt_ids"]) for t in turns],
@@ -159,11 +182,24 @@ def _record(row: dict, method: str, turns: list[dict], reference: list[dict] | N
         "token_ids": [d.token_ids for d in decodes],
         "matches_reference": None,
         "first_mismatch": None,
+        "cross_path": getattr(method, "cross_path", False),
     }
     if config.greedy and reference is not None:
         mismatch = first_mismatch([t["decode"].token_ids for t in reference], record["token_ids"])
+        if mismatch is not None and record["cross_path"]:
+            turn = reference[mismatch["turn"]]
+            prefix = turn["decode"].token_ids[:mismatch["position"]]
+            mismatch["logit_margin"] = logit_margin(target.model, list(turn["prompt_ids"]) + prefix)
         record.update(matches_reference=mismatch is None, first_mismatch=mismatch)
     return record
+
+
+@torch.inference_mode()
+def logit_margin(model, ids: list[int]) -> float:
+    """The eager target's margin between its two most likely next tokens after ``ids``."""
+    logits = model(input_ids=torch.tensor([ids], device=model.device), logits_to_keep=1).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
 
 
 def first_mismatch(expected: list[list[int]], actual: list[list[int]]) -> dict | None:

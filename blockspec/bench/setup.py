@@ -32,14 +32,17 @@ def load_prompts(datasets, data_dir, num_prompts, seed) -> list[dict]:
 
 
 def load_methods(target_name: str, methods: str | None = None, drafts: list[str] = (), assistant: str | None = None,
-                 *, device: str | None = None, dtype: str | None = None, block_size: int | str | None = None):
+                 *, device: str | None = None, dtype: str | None = None, block_size: int | str | None = None,
+                 compile: str = "off"):
     """The target and the methods named, each drafter loaded once.
 
     ``methods``: comma-separated names (None: the default set); ``drafts``: [METHOD=]DIR values;
-    ``assistant``: the small LM of the draft and hf-assisted methods.
+    ``assistant``: the small LM of the draft and hf-assisted methods; ``compile``: whether blockspec's
+    methods run through the fast path (a DFlash drafter then drafts through its packed LM head).
     """
     from transformers.utils import logging as hf_logging
 
+    from blockspec.decoding.fast import compile_choice
     from blockspec.models.target import load_target
 
     hf_logging.disable_progress_bar()
@@ -48,6 +51,9 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
     # dflash@4 and dflash@auto share one drafter; dflash/d2 has its own (its own state and calibration).
     specs = {spec.drafter: spec for spec in map(parse_method_name, names)}
     target = load_target(target_name, device=device, dtype=dtype)
+    compiled, _ = compile_choice(target.model, compile)
+    if methods is None and compiled:  # blockspec's methods are compiled: so is HF's strongest baseline
+        names.insert(names.index("hf") + 1, "hf-compiled")
     drafters = {}
     for key, spec in specs.items():
         name = spec.base
@@ -56,6 +62,8 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
             if name in CHECKPOINT_METHODS and draft is None:
                 raise BlockspecError(f"the {name} method needs --draft {name}=DIR (its checkpoint) for this target")
             options = {} if spec.denoise_steps == 1 else {"denoise_steps": spec.denoise_steps}
+            if name == "dflash" and compiled:
+                options["packed"] = True
             drafters[key] = build_drafter(name, target, draft, **options)
     loaded = None
     if "hf-assisted" in names:  # the draft method's LM when it is the same one, loaded once
@@ -84,7 +92,7 @@ def parse_drafts(values: list[str], target: str) -> dict[str, str]:
 def parse_methods(value: str | None, drafts: dict[str, str], assistant: str | None) -> list[str]:
     """The method names of a run: ``value`` (comma-separated) or the default set, always with ar."""
     if value is None:
-        names = [*BASELINES, *CONTEXT_DRAFTERS]
+        names = [*(name for name in BASELINES if name != "hf-compiled"), *CONTEXT_DRAFTERS]
         names += [m for m in drafts if m not in names]
         if assistant or "draft" in drafts:
             names += [m for m in ("draft", "hf-assisted") if m not in names]

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from blockspec.cli.options import block_size_arg
+from blockspec.cli.options import COMPILE_CHOICES, block_size_arg
 from blockspec.drafters.registry import DRAFT_METHODS, DRAFTED_METHODS
 from blockspec.hub import DEFAULT_TARGET
 
@@ -37,11 +37,11 @@ def add_models_group(models) -> None:
     drafted_with_method = [name for name in DRAFTED_METHODS if name != "dflash"]
     models.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
     models.add_argument("--methods", default=None,
-                        help="comma-separated: ar, hf, hf-prompt-lookup, hf-assisted, and the drafters "
+                        help="comma-separated: ar, hf, hf-compiled, hf-prompt-lookup, hf-assisted, and the drafters "
                              f"{', '.join(DRAFT_METHODS)}, each also as METHOD@WIDTH with its own verify "
                              "width, e.g. dflash@4,dflash@16,dflash@auto, or with a token tree of N nodes, "
                              "dflash@t32; dflash also as dflash[@WIDTH]/dK, drafting in K denoising passes, "
-                             "e.g. dflash/d2,dflash@8/d4 (default: ar,hf,hf-prompt-lookup,ngram, plus dflash "
+                             "e.g. dflash/d2,dflash@8/d4 (default: ar,hf,hf-compiled,hf-prompt-lookup,ngram, plus dflash "
                              "when a DFlash drafter is known, plus the methods of every --draft, plus "
                              "draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
@@ -54,6 +54,11 @@ def add_models_group(models) -> None:
                              "the draft model of both 'draft' and 'hf-assisted'")
     models.add_argument("--device", default=None)
     models.add_argument("--dtype", default=None)
+    models.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                        help="blockspec's own methods (ar and the drafters) run the target through the fast path "
+                             "('on'), the eager forward ('off'), or the fast path where it pays ('auto'); the "
+                             "hf-compiled baseline is HF generate with a static cache and torch.compile "
+                             "(default: auto)")
 
 
 def add_prompts_group(data) -> None:
@@ -95,7 +100,7 @@ def run_bench_command(args) -> int:
     config = bench_config(args)
     prompts = load_prompts(args.datasets, args.data_dir, args.num_prompts, args.seed)
     target, methods = load_methods(args.target, args.methods, args.draft, args.assistant, device=args.device,
-                                   dtype=args.dtype, block_size=args.block_size)
+                                   dtype=args.dtype, block_size=args.block_size, compile=args.compile)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"blockspec bench: {len(prompts)} prompts x {', '.join(m.name for m in methods)} on {target.name}",
           file=sys.stderr)
@@ -115,7 +120,7 @@ def bench_config(args):
 
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                  seed=args.seed if args.seed is not None else 0)
+                                  seed=args.seed if args.seed is not None else 0, compile=args.compile)
     return BenchConfig(generation, warmup_tokens=args.warmup_tokens, use_chat_template=not args.no_chat_template,
                        max_turns=args.max_turns)
 

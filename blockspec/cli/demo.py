@@ -42,6 +42,7 @@ def run_demo_command(args) -> int:
     from rich.markup import escape
     from transformers.utils import logging as hf_logging
 
+    from blockspec.decoding.fast import compile_choice, fast_forward
     from blockspec.drafters.registry import load_drafter, shipped_draft
     from blockspec.models.target import load_target
 
@@ -55,7 +56,12 @@ def run_demo_command(args) -> int:
     console.print(f"loading the target {escape(str(args.target))} and the drafter {escape(str(draft))} ...",
                   style="dim")
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    drafter = load_drafter(draft, target)
+    compiled, reason = compile_choice(target.model, args.compile)
+    console.print(reason, style="dim")
+    drafter = load_drafter(draft, target, packed=compiled)
+    if compiled:
+        fast_forward(target.model, drafter.feature_layers, progress=lambda line: console.print(line, style="dim"))
+        fast_forward(target.model, None, progress=lambda line: console.print(line, style="dim"))
     figures = run_demo(target, drafter, prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                       console=console)
+                       compile=args.compile, console=console)
     return 0 if all(f["match"] for f in figures) else 1

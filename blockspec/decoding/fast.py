@@ -251,14 +251,14 @@ class StaticTarget:
 
 def configure_inductor(cache_dir: str | None = None) -> None:
     """Keep inductor's compiled artefacts under BLOCKSPEC_HOME, and allow a graph per width bucket and capacity."""
-    import torch._dynamo
-    import torch._inductor.config as inductor
-
     if cache_dir is None:
         from blockspec import hub
 
         cache_dir = str(hub.home_dir() / "inductor")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)  # before inductor reads it
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
     inductor.fx_graph_cache = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:

@@ -1,0 +1,187 @@
+"""The fast path: a static KV cache, oneDNN-packed weights, compiled forwards; lossless against the eager path."""
+
+import pytest
+import torch
+from helpers import (MAX_NEW, PASS, PROMPT, SAMPLES, VOCAB, NoisyOracle, chi_square_pvalue, decode, exact_joint,
+                     hf_greedy, make_causal_lm, make_dflash, prompts, sampled_joint, small_target)
+
+from blockspec.decoding.fast import FastForward, StaticTarget, bucket_width, compile_choice
+from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.decoding.static_cache import StaticKVCache, block_visibility, capacity_for
+from blockspec.decoding.tree import Tree
+from blockspec.drafters.dflash import DFlashDrafter
+from blockspec.errors import BlockspecError
+from blockspec.models.packed import module_twin
+from blockspec.sampling import SamplingConfig
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def world(request):
+    target = make_causal_lm(request.param, vocab_size=320)  # fp32: the packed path runs
+    return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=16, seed=41)]
+
+
+# --- the cache and its rollback against the dynamic cache's ------------------------------------------------
+
+def verify_rows(target, tokens, start, tree=None):
+    out = target.verify([VerifyBlock(tokens, start, tree)])[0]
+    return out.scores.logits, out.features
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rollback_and_tree_compaction_leave_the_cache_the_dynamic_cache_leaves(arch):
+    model = make_causal_lm(arch, vocab_size=320, seed=3)
+    layers = [0, 2, 3]
+    dynamic = SequenceTarget(model, layers)
+    static = StaticTarget(FastForward(model, layers, compile=False), 200)
+    prompt = prompts(320, count=1, seed=5)[0]
+    tree = Tree(tokens=[11, 12, 13, 14, 15], parents=[-1, -1, 0, 0, 2], depths=[1, 1, 2, 2, 3])
+    steps = [([7, 8, 9, 10], None, [0, 1]),           # a chain: two rows kept
+             ([21] + tree.tokens, tree, [0, 1, 3, 5]),  # a tree: the path 0 -> 2 -> 4, compacted
+             ([5, 6], None, [0, 1]),                   # everything kept
+             ([30, 31, 32], None, [0])]                # nothing but the last token
+    with torch.inference_mode():
+        for target in (dynamic, static):
+            target.prefill(prompt)
+        start = prompt.shape[1]
+        for tokens, shape, kept in steps:
+            for target in (dynamic, static):
+                target.verify([VerifyBlock(tokens, start, shape)])
+                target.keep([kept])
+            start += len(kept)
+            expected, expected_features = verify_rows(dynamic, [40, 41, 42], start)
+            logits, features = verify_rows(static, [40, 41, 42], start)
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(features, expected_features, rtol=1e-4, atol=1e-4)
+            for target in (dynamic, static):
+                target.keep([[]])
+        assert static.cache.lengths == [start]
+
+
+def test_the_last_layer_feature_is_the_normed_one_hidden_states_gives():
+    """hidden_states[L] of a Hugging Face forward is the last layer's output after the final norm."""
+    model = make_causal_lm("llama", vocab_size=320, seed=4)
+    ids = prompts(320, count=1, seed=6)[0]
+    with torch.inference_mode():
+        expected = model(input_ids=ids, output_hidden_states=True).hidden_states
+        features = StaticTarget(FastForward(model, [3, 1], compile=False), 64).prefill(ids).features
+    torch.testing.assert_close(features, torch.cat([expected[4], expected[2]], dim=-1), rtol=1e-4, atol=1e-4)
+
+
+def test_block_visibility_of_a_chain_and_a_tree():
+    assert block_visibility(3).tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    tree = block_visibility(5, parents=[-1, -1, 0, 2])  # root, nodes 0 and 1 under it, 2 under 0, 3 under 2
+    assert tree[4].tolist() == [True, True, False, True, True]
+    assert tree[2].tolist() == [True, False, True, False, False]
+
+
+def test_capacities_come_from_a_few_sizes():
+    assert [capacity_for(n) for n in (1, 512, 513, 3000)] == [512, 512, 1024, 4096]
+    assert [bucket_width(w) for w in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 32]
+    with pytest.raises(BlockspecError, match="wider than the fast path's widest"):
+        bucket_width(65)
+
+
+def test_a_batch_row_writes_only_its_own_columns():
+    model = make_causal_lm("llama", vocab_size=320)
+    cache = StaticKVCache(model.config, batch=2, capacity=16, dtype=torch.float32, device="cpu")
+    cache.write_columns = torch.tensor([[3, 4], [7, 8]])
+    key = torch.ones(2, 2, 2, 16)
+    key[1] *= 2
+    cache.update(key, key.clone(), 0)
+    written = cache.keys[0][:, 0, :, 0]
+    assert written[0].nonzero().flatten().tolist() == [3, 4] and written[1].nonzero().flatten().tolist() == [7, 8]
+    assert written[1, 7] == 2
+
+
+# --- losslessness through the packed eager fast path -------------------------------------------------------
+
+def test_the_packed_twin_shares_the_model_and_leaves_it_as_it_was():
+    model = make_causal_lm("llama", vocab_size=320)
+    twin = module_twin(model, pack_linears=True)
+    assert type(model.lm_head) is torch.nn.Linear and type(twin.lm_head).__name__ == "PackedLinear"
+    assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight
+    ids = prompts(320, count=1)[0]
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block_size,tree_budget", [(1, None), (4, None), (8, None), (8, 12)])
+def test_fast_path_greedy_equals_hf_generate(world, block_size, tree_budget):
+    target, references = world
+    drafter = DFlashDrafter(make_dflash(target, block_size=8), target, packed=True)
+    fast = FastForward(target, drafter.feature_layers, compile=False)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=block_size, tree_budget=tree_budget)
+    for ids, expected in references:
+        assert decode(target, ids, drafter, config, fast=fast).token_ids == expected
+
+
+def test_fast_path_trees_beat_chains_and_stay_lossless(world):
+    target, references = world
+    fast = FastForward(target, None, compile=False)
+    for ids, expected in references[:8]:
+        reference = ids[0].tolist() + expected
+        stream = decode(target, ids, NoisyOracle(reference, 320, seed=2),
+                        GenerationConfig(max_new_tokens=MAX_NEW, tree_budget=16), fast=fast)
+        assert stream.token_ids == expected and stream.stats.tau > 1.5
+
+
+def test_compile_off_keeps_the_eager_forward_and_auto_skips_tiny_targets():
+    model = make_causal_lm("llama", vocab_size=320)
+    stream = speculative_generate(model, prompts(320, count=1)[0], None, GenerationConfig(max_new_tokens=4))
+    assert stream.fast is None
+    compiled, reason = compile_choice(model, "auto")
+    assert not compiled and "runs eagerly" in reason
+    assert compile_choice(model, "on")[0] and not compile_choice(model, "off")[0]
+
+
+def test_an_unsupported_target_is_refused_by_name_with_compile_on():
+    model = make_causal_lm("qwen3", vocab_size=320, use_sliding_window=True, sliding_window=8,
+                           layer_types=["sliding_attention"] * 4)
+    with pytest.raises(BlockspecError, match="sliding-window layers: use --compile off"):
+        compile_choice(model, "on")
+    assert not compile_choice(model, "auto")[0]
+    with pytest.raises(BlockspecError, match="compile must be one of auto, on, off"):
+        GenerationConfig(compile="fast")
+
+
+# --- the compiled path ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled_world(tmp_path_factory):
+    from blockspec.decoding.fast import configure_inductor
+
+    configure_inductor(str(tmp_path_factory.mktemp("inductor")))
+    target = make_causal_lm("llama", vocab_size=320, num_hidden_layers=2, seed=7)
+    drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4), target, packed=True)
+    return target, drafter, FastForward(target, drafter.feature_layers, compile=True)
+
+
+@pytest.mark.slow
+def test_the_compiled_path_is_lossless_and_never_compiles_as_the_context_grows(compiled_world):
+    target, drafter, fast = compiled_world
+    references = [(ids, hf_greedy(target, ids, 60)) for ids in prompts(320, count=4, seed=43)]
+    for tree_budget in (None, 3):
+        config = GenerationConfig(max_new_tokens=60, block_size=4, tree_budget=tree_budget)
+        for ids, expected in references:
+            assert decode(target, ids, drafter, config, fast=fast).token_ids == expected
+    graphs = fast.stats.graphs
+    assert graphs <= 3  # one per bucket (1, 2, 4), whatever the length: 60 new tokens on every prompt
+    long_prompt = prompts(320, count=1, seed=44)[0].repeat(1, 4)
+    decode(target, long_prompt, drafter, GenerationConfig(max_new_tokens=200, block_size=4), fast=fast)
+    assert fast.stats.graphs == graphs
+
+
+@pytest.mark.slow
+def test_sampling_through_the_compiled_path_follows_the_target():
+    target = small_target()
+    drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
+                            target, packed=True)
+    fast = FastForward(target, drafter.feature_layers, compile=True)
+    sampling = SamplingConfig(temperature=1.0)
+    probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, fast=fast)
+    assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
+    assert PROMPT.shape[1] + 3 < fast.new_cache(8).capacity
