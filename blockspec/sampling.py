@@ -80,7 +80,9 @@ def pick_draft(logits: torch.Tensor, sampling: SamplingConfig, generator, sample
 
 def draft_confidence(logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
     """The draft distribution's probability of each chosen token, [n] from logits [n, V]."""
-    return torch.softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logits = logits.float()
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return torch.exp(chosen - torch.logsumexp(logits, dim=-1))
 
 
 def pick_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator=None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from blockspec.drafters.base import Proposal, TreeDrafter
 from blockspec.errors import BlockspecError
 from blockspec.models.dflash import ContextCache, DFlashDraftModel, check_fits_target, load_dflash_model
-from blockspec.models.packed import pack, packing_available
+from blockspec.models.packed import module_twin, pack, packing_available
 from blockspec.models.target import position_ids
 from blockspec.sampling import draft_confidence, sample_from, sampling_probs
 
@@ -70,10 +70,12 @@ class DFlashDrafter(TreeDrafter):
         self.model = model.to(device=param.device, dtype=param.dtype).eval()
         self.model.requires_grad_(False)
         self.embed_tokens = target_model.get_input_embeddings()
-        #: The target's LM head, which most of a pass is spent in; with ``packed`` (a CPU), its oneDNN-packed twin.
+        #: The target's LM head, which most of a pass is spent in. With ``packed`` (a CPU), it and the
+        #: drafter's own linear layers run on oneDNN-packed weights.
         self.lm_head = target_model.get_output_embeddings()
         if packed and packing_available(target_model):
             self.lm_head = pack(self.lm_head)
+            self.model = module_twin(self.model, pack_linears=True)
         self.feature_layers = list(model.target_layer_ids)
         self.max_draft_tokens = model.block_size - 1
         self.default_block_size = model.block_size
@@ -119,6 +121,9 @@ class DFlashDrafter(TreeDrafter):
         logits = self._block_logits(state.cache, block_ids, start, pending)
         state.pending = None
         schedule = denoise_schedule(num_tokens, self.denoise_steps)
+        state.commit_counts = schedule
+        if len(schedule) <= 1:  # one pass commits every position: nothing to rank or feed back
+            return logits
         committed = torch.empty_like(logits)
         masked = torch.ones(num_tokens, dtype=torch.bool, device=self.device)
         for index, count in enumerate(schedule):
@@ -128,7 +133,6 @@ class DFlashDrafter(TreeDrafter):
             committed[chosen] = logits[chosen]
             block_ids[0, 1 + chosen] = logits[chosen].argmax(dim=-1)
             masked[chosen] = False
-        state.commit_counts = schedule
         return committed
 
     def _block_logits(self, cache: ContextCache, block_ids, start: int,
