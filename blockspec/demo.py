@@ -19,8 +19,9 @@ from blockspec.errors import BlockspecError
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt_bench")
 DEFAULT_NUM_PROMPTS = 4
 DEFAULT_MAX_NEW_TOKENS = 128
-#: The verify width is chosen each step by the cost model, as in `blockspec generate`.
+#: The verify width is chosen each step by the cost model, over a 16-node token tree, as in `blockspec generate`.
 DEFAULT_BLOCK_SIZE = "auto"
+DEFAULT_TREE_BUDGET = 16
 _WARMUP_TOKENS = 4
 
 
@@ -42,12 +43,14 @@ def demo_prompts(datasets=None, num_prompts: int = DEFAULT_NUM_PROMPTS) -> list[
 
 
 def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-             block_size: int | str | None = DEFAULT_BLOCK_SIZE, compile: str = "off", console=None) -> list[dict]:
+             block_size: int | str | None = DEFAULT_BLOCK_SIZE, tree_budget: int | None = None,
+             compile: str = "off", console=None) -> list[dict]:
     """Decode each prompt with Hugging Face ``generate`` (eager), AR and DFlash (greedy; the two through
     blockspec's loop, on the fast path with ``compile``), stream the DFlash text; figures per prompt.
 
     ``prompts`` are bundled rows (dicts with ``turns``; the first turn is used) or strings.
-    ``block_size``: a verify width, None for the drafter's trained size, or "auto".
+    ``block_size``: a verify width, None for the drafter's trained size, or "auto"; ``tree_budget``: verify
+    a token tree of that many nodes (None: a chain).
     """
     from rich.console import Console
 
@@ -62,9 +65,12 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
         raise BlockspecError("the demo needs at least one prompt")
     ar_config = GenerationConfig(max_new_tokens=max_new_tokens, compile=compile,
                                  stop_token_ids=target.stop_token_ids())
-    dflash_config = replace(ar_config, block_size=block_size)
+    dflash_config = replace(ar_config, block_size=block_size, tree_budget=tree_budget)
     width = resolve_block_size(drafter, block_size)  # checks the block size before any decoding
     described = f"verify width auto (1..{width})" if block_size == AUTO else f"block size {width}"
+    if tree_budget:
+        described = f"a token tree of {tree_budget} nodes, " + ("the cost model choosing how many to verify"
+                                                               if block_size == AUTO else "all verified")
 
     model = target.model
     path = "fast path" if compile_choice(model, compile)[0] else "eager forward"
@@ -75,7 +81,7 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
     policies = WidthPolicies()  # the adaptive width's calibration carries over the prompts
     hf = HFGenerateMethod("hf", model, pad_token_id=_pad_id(target))
     longest = max(len(target.encode_prompt(_chat_prompt(target, row))) for row in rows)
-    _warm_up(target, drafter, _chat_prompt(target, rows[0]), dflash_config, policies, hf, longest)
+    _warm_up(target, drafter, _chat_prompt(target, rows[0]), ar_config, dflash_config, policies, hf, longest)
 
     figures = []
     for index, row in enumerate(rows, start=1):
@@ -108,17 +114,17 @@ def _chat_prompt(target, row: dict):
     return text
 
 
-def _warm_up(target, drafter, prompt, config, width_policies, hf, longest: int) -> None:
+def _warm_up(target, drafter, prompt, ar_config, config, width_policies, hf, longest: int) -> None:
     """A few tokens every way, and the fast path's graphs for the longest prompt, so that first-call
     overheads do not land on the first prompt."""
     from blockspec.decoding.generate import warm_up_fast_path
     from blockspec.decoding.text import generate_text
 
-    warm = replace(config, max_new_tokens=_WARMUP_TOKENS)
-    hf.decode(target.encode_prompt(prompt), warm)
-    generate_text(target, prompt, None, replace(warm, block_size=None))
-    generate_text(target, prompt, drafter, warm, width_policies=width_policies)
-    warm_up_fast_path(target.model, None, replace(config, block_size=None), longest)
+    hf.decode(target.encode_prompt(prompt), replace(ar_config, max_new_tokens=_WARMUP_TOKENS))
+    generate_text(target, prompt, None, replace(ar_config, max_new_tokens=_WARMUP_TOKENS))
+    generate_text(target, prompt, drafter, replace(config, max_new_tokens=_WARMUP_TOKENS),
+                  width_policies=width_policies)
+    warm_up_fast_path(target.model, None, ar_config, longest)
     warm_up_fast_path(target.model, drafter, config, longest)
 
 

@@ -9,7 +9,7 @@ import torch
 from blockspec.cli import main
 from blockspec.decoding.costs import COST_CACHE_MAX_AGE_S, CostModel, cost_model_for
 from blockspec.decoding.generate import speculative_generate
-from blockspec.decoding.policy import PROBE_EVERY, AcceptanceCalibrator, AdaptiveWidth, WidthPolicies
+from blockspec.decoding.policy import PROBE_AT_MOST, PROBE_EVERY, AcceptanceCalibrator, AdaptiveWidth, WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.draft_lm import DraftModelDrafter
@@ -151,6 +151,28 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes():
     assert all(policy.should_draft() for _ in range(5))
 
 
+def test_probes_that_keep_failing_come_ever_more_rarely_until_drafting_pays_again():
+    policy = AdaptiveWidth(CostModel([1.0, 1.5]))
+    policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # does not pay
+    gaps = []
+    for _ in range(5):
+        steps = 1
+        while not policy.should_draft():
+            steps += 1
+        gaps.append(steps)
+        policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # the probe did not pay
+    assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_AT_MOST, PROBE_AT_MOST]
+    for _ in range(20):  # drafting pays again: every step drafts, and a later lapse probes at the first gap
+        policy.observe([0.9, 0.9], 2, verify_seconds=0.5, width=3, draft_seconds=0.1)
+    assert all(policy.should_draft() for _ in range(5))
+    for _ in range(40):
+        policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)
+    steps = 1
+    while not policy.should_draft():
+        steps += 1
+    assert steps == PROBE_EVERY
+
+
 def test_a_stream_stops_drafting_when_it_only_ever_verifies_width_one(world, monkeypatch):
     """Drafting and then verifying no draft costs the draft for nothing: those steps count as drafting
     steps that paid less than plain ones, so the stream drafts again only on its probes."""
@@ -165,11 +187,12 @@ def test_a_stream_stops_drafting_when_it_only_ever_verifies_width_one(world, mon
     proposals = []
     propose = drafter.propose
     monkeypatch.setattr(drafter, "propose", lambda *a: proposals.append(1) or propose(*a))
-    for ids, expected in references[:4]:
+    for index, (ids, expected) in enumerate(references[:4]):
         proposals.clear()
         stream = run(target, ids, drafter, "auto", policies)
         assert stream.token_ids == expected
-        assert set(stream.widths) == {1}
+        # the first prompt drafts (and verifies width 1); later ones probe ever more rarely, maybe not at all
+        assert set(stream.widths) == {1} if index == 0 else set(stream.widths) <= {1}
         steps = len(stream.stats.acceptance_lengths)
         assert len(proposals) <= 1 + steps // PROBE_EVERY + 1, (len(proposals), steps)
 

@@ -73,17 +73,18 @@ def test_the_default_target_drafts_with_the_shipped_drafter():
 
 
 def test_generate_defaults_to_the_adaptive_width_for_a_dflash_chain():
-    from blockspec.decoding.sequence import GenerationConfig, preferred_block_size
+    from blockspec.decoding.sequence import PREFERRED_TREE_BUDGET, GenerationConfig, preferred_decoding
     from blockspec.drafters.dflash import DFlashDrafter
     from blockspec.drafters.ngram import PromptLookupDrafter
 
     target = make_causal_lm("llama", vocab_size=320)
     dflash, ngram = DFlashDrafter(make_dflash(target, block_size=8), target), PromptLookupDrafter()
-    assert preferred_block_size(dflash, GenerationConfig()) == "auto"
-    assert preferred_block_size(ngram, GenerationConfig()) is None
-    assert preferred_block_size(None, GenerationConfig()) is None
-    assert preferred_block_size(dflash, GenerationConfig(block_size=8)) == 8
-    assert preferred_block_size(dflash, GenerationConfig(tree_budget=16)) is None
+    chosen = preferred_decoding(dflash, GenerationConfig())
+    assert (chosen.block_size, chosen.tree_budget) == ("auto", PREFERRED_TREE_BUDGET)
+    assert preferred_decoding(ngram, GenerationConfig()) == GenerationConfig()
+    assert preferred_decoding(None, GenerationConfig()) == GenerationConfig()
+    assert preferred_decoding(dflash, GenerationConfig(block_size=8)) == GenerationConfig(block_size=8)
+    assert preferred_decoding(dflash, GenerationConfig(tree_budget=16)) == GenerationConfig(tree_budget=16)
 
 
 def test_generate_and_serve_default_to_the_library_tree_fan_out():

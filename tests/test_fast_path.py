@@ -185,3 +185,28 @@ def test_sampling_through_the_compiled_path_follows_the_target():
     counts = sampled_joint(target, drafter, sampling, SAMPLES, fast=fast)
     assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
     assert PROMPT.shape[1] + 3 < fast.new_cache(8).capacity
+
+
+# --- batches through the fast path ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ngram"])
+def test_batched_rows_through_the_fast_path_equal_rows_decoded_alone(world, method):
+    from blockspec.decoding.batch import BatchEngine
+    from blockspec.drafters.ngram import PromptLookupDrafter
+
+    target, references = world
+    drafter = {"ar": None, "ngram": PromptLookupDrafter(block_size=6),
+               "dflash": DFlashDrafter(make_dflash(target, block_size=8), target, packed=True)}[method]
+    engine = BatchEngine(target, drafter, max_batch_size=3, compile="on")
+    configs = [GenerationConfig(max_new_tokens=8 + 2 * i, stop_token_ids=(expected[5],) if i % 3 == 0 else ())
+               for i, (_, expected) in enumerate(references)]
+    rows = [engine.add(ids, config) for (ids, _), config in zip(references[:4], configs)]
+    steps = 0
+    while engine.has_work:  # rows finish and leave at different steps; new ones join mid-run
+        engine.step()
+        steps += 1
+        if steps % 3 == 0 and len(rows) < len(references):
+            rows.append(engine.add(references[len(rows)][0], configs[len(rows)]))
+    assert type(engine.target).__name__ == "StaticBatchTarget" and max(engine.batch_sizes) == 3
+    for (ids, expected), config, row in zip(references, configs, rows):
+        assert row.token_ids == decode(target, ids, drafter, config).token_ids

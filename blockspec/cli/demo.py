@@ -9,6 +9,7 @@ from blockspec.demo import (
     DEFAULT_DATASETS,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_NUM_PROMPTS,
+    DEFAULT_TREE_BUDGET,
     demo_prompts,
     run_demo,
 )
@@ -26,6 +27,9 @@ def add_demo_command(commands) -> None:
     parser.add_argument("--block-size", type=block_size_arg, default=DEFAULT_BLOCK_SIZE,
                         help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by the "
                              "cost model from the draft's confidence) (default: auto)")
+    parser.add_argument("--tree-budget", type=int, default=DEFAULT_TREE_BUDGET,
+                        help="verify a token tree of this many draft nodes (0: a chain) "
+                             f"(default: {DEFAULT_TREE_BUDGET})")
     parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                         help="number of prompts, dealt round-robin over the data sets "
                              f"(default: {DEFAULT_NUM_PROMPTS})")
@@ -63,5 +67,5 @@ def run_demo_command(args) -> int:
         fast_forward(target.model, drafter.feature_layers, progress=lambda line: console.print(line, style="dim"))
         fast_forward(target.model, None, progress=lambda line: console.print(line, style="dim"))
     figures = run_demo(target, drafter, prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                       compile=args.compile, console=console)
+                       tree_budget=args.tree_budget or None, compile=args.compile, console=console)
     return 0 if all(f["match"] for f in figures) else 1

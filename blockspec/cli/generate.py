@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -22,13 +21,13 @@ def add_generate_command(commands) -> None:
 
 def run_generate(args) -> int:
     from blockspec.decoding.generate import warm_up_fast_path
-    from blockspec.decoding.sequence import preferred_block_size
+    from blockspec.decoding.sequence import preferred_decoding
     from blockspec.decoding.text import stream_text
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     config = generation_config(args)  # bad values are refused before the models load
     target, drafter = load_models(args)
-    config = dataclasses.replace(config, block_size=preferred_block_size(drafter, config))
+    config = preferred_decoding(drafter, config)
     prompt_length = len(target.encode_prompt(prompt, not args.no_chat_template))
     warm_up_fast_path(target.model, drafter, config, prompt_length)
     stream = stream_text(target, prompt, drafter, config, use_chat_template=not args.no_chat_template)

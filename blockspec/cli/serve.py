@@ -43,6 +43,10 @@ def run_serve(args) -> int:
     decoding = decoding_options(args)
     GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
     target, drafter = load_models(args)
+    if decoding.per_sequence:  # compiled graphs (if any) for requests of up to 512 positions, ahead of the first
+        from blockspec.decoding.generate import warm_up_fast_path
+
+        warm_up_fast_path(target.model, drafter, GenerationConfig(**decoding.config_fields()), 256)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                      api_key=args.api_key, decoding=decoding)
     how = "one request at a time" if decoding.per_sequence else f"batches of up to {args.max_batch_size}"
@@ -56,7 +60,7 @@ def decoding_options(args):
     """How the server verifies every request, from the options."""
     from blockspec.serve.engine import DecodingOptions
 
-    return DecodingOptions(args.block_size, args.tree_budget, **tree_top_k_given(args))
+    return DecodingOptions(args.block_size, args.tree_budget, compile=args.compile, **tree_top_k_given(args))
 
 
 def add_loadtest_command(commands) -> None:

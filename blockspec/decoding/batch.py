@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from blockspec.clock import wall_clock
 from blockspec.decoding.cache import BatchCache
+from blockspec.decoding.fast import StaticBatchTarget, compile_choice, fast_forward
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.policy import AUTO
 from blockspec.decoding.sequence import GenerationConfig, GenerationStats, Sequence, SequenceView, Step, new_sequence
@@ -104,6 +105,9 @@ class BatchTarget:
         """Only these rows (by index) go on; the others leave the batch."""
         self.cache.keep_rows(indices)
 
+    def reserve(self, length: int) -> None:
+        """Nothing to do: the dynamic cache grows as it goes."""
+
     def _features(self, hidden_states, row: int, length: int | None = None) -> torch.Tensor | None:
         if self.feature_layers is None:
             return None
@@ -117,18 +121,25 @@ class BatchEngine:
     ``drafter`` (None for plain autoregressive decoding) drafts for every row, each from its own
     state. ``add`` queues a sequence; each ``step`` admits queued rows up to ``max_batch_size``
     (prefilling each) and runs one batched verify forward, returning the ``BatchEvent`` of every
-    row that produced tokens.
+    row that produced tokens. ``compile``: "on"/"auto" run the rows through the fast path's static
+    cache (oneDNN-packed on a CPU, eagerly: the row count changes from step to step).
     """
 
-    def __init__(self, target_model, drafter: Drafter | None = None, *, max_batch_size: int = 8):
+    def __init__(self, target_model, drafter: Drafter | None = None, *, max_batch_size: int = 8,
+                 compile: str = "off"):
         if max_batch_size < 1:
             raise BlockspecError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = target_model
         self.drafter = drafter
         self.max_batch_size = max_batch_size
+        self.compile = compile
         self.rows: list[Row] = []
         self.waiting: deque[Row] = deque()
-        self.target = BatchTarget(target_model, drafter.feature_layers if drafter is not None else None)
+        layers = drafter.feature_layers if drafter is not None else None
+        if compile_choice(target_model, compile)[0]:
+            self.target = StaticBatchTarget(fast_forward(target_model, layers, compile=False), max_batch_size)
+        else:
+            self.target = BatchTarget(target_model, layers)
         self._ids = itertools.count()
         self._cancelled: set[int] = set()
         #: Active rows in each decode forward so far (for the batch-size figures).
@@ -139,7 +150,7 @@ class BatchEngine:
         return self.model.device
 
     @property
-    def cache(self) -> BatchCache:
+    def cache(self):
         return self.target.cache
 
     @property
@@ -152,7 +163,7 @@ class BatchEngine:
 
     def fresh(self) -> "BatchEngine":
         """An empty engine over the same model and drafter (after a failed step)."""
-        return BatchEngine(self.model, self.drafter, max_batch_size=self.max_batch_size)
+        return BatchEngine(self.model, self.drafter, max_batch_size=self.max_batch_size, compile=self.compile)
 
     def add(self, input_ids, config: GenerationConfig | None = None) -> Row:
         """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step."""
@@ -193,7 +204,9 @@ class BatchEngine:
         events = []
         while self.waiting and len(self.rows) < self.max_batch_size:
             row = self.waiting.popleft()
-            step = prefill_step(self.target, row.sequence)
+            sequence = row.sequence
+            self.target.reserve(sequence.input_ids.shape[1] + sequence.max_new_tokens + 1)
+            step = prefill_step(self.target, sequence)
             row.stats.time_to_first_token = row.stats.total_time = wall_clock(self.device) - row.submitted_at
             self.rows.append(row)
             events.append(BatchEvent(row, step))
@@ -240,7 +253,7 @@ class BatchResult:
 
 def batch_generate(target_model, prompts, drafter: Drafter | None = None,
                    configs: GenerationConfig | list[GenerationConfig] | None = None, *,
-                   max_batch_size: int = 8) -> list[BatchResult]:
+                   max_batch_size: int = 8, compile: str = "off") -> list[BatchResult]:
     """Decode every prompt (ids) through one ``BatchEngine``; results in prompt order.
 
     ``configs`` is one config for all prompts or one per prompt.
@@ -250,7 +263,7 @@ def batch_generate(target_model, prompts, drafter: Drafter | None = None,
         configs = [configs or GenerationConfig()] * len(prompts)
     if len(configs) != len(prompts):
         raise BlockspecError(f"got {len(configs)} generation configs for {len(prompts)} prompts: give one or one each")
-    engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size)
+    engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size, compile=compile)
     rows = [engine.add(ids, config) for ids, config in zip(prompts, configs)]
     for _ in engine.run():
         pass

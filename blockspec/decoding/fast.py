@@ -110,7 +110,9 @@ class FastForward:
         self.compiled = compile
         self.progress = progress
         self.stats = CompileStats()
-        self._graph = torch.compile(layer_forward, dynamic=False) if compile else layer_forward
+        # On a GPU each graph is also captured as a CUDA graph (the cache's buffers keep their addresses).
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        self._graph = torch.compile(layer_forward, dynamic=False, mode=mode) if compile else layer_forward
         self._warm: set[tuple[int, int, int]] = set()
         if compile:
             configure_inductor()
@@ -146,7 +148,11 @@ class FastForward:
         """A cache for sequences of up to ``length`` positions (plus the widest padding)."""
         context = getattr(self.model.config, "max_position_embeddings", None) or length
         capacity = capacity_for(min(length, context) + WIDTH_BUCKETS[-1])
-        return StaticKVCache(self.model.config, batch, capacity, self.model.dtype, self.model.device)
+        cache = StaticKVCache(self.model.config, batch, capacity, self.model.dtype, self.model.device)
+        if self.compiled and self.model.device.type == "cuda":
+            for buffer in (*cache.keys, *cache.values):  # written in place inside a CUDA graph
+                torch._dynamo.mark_static_address(buffer)
+        return cache
 
     def prefill(self, cache: StaticKVCache, row: int, input_ids: torch.LongTensor):
         """Run the prompt [1, P] into row ``row`` of the cache, eagerly (its length varies): last logits, features."""
@@ -247,6 +253,57 @@ class StaticTarget:
         (rows,) = kept_rows
         self.cache.keep(0, rows)
         self._pending = None
+
+
+class StaticBatchTarget:
+    """The batch engine's target forwards through the fast path: rows in the leading slots of one static cache.
+
+    A new row is prefilled into the next free slot; a leaving row's slot is refilled by moving the last
+    row into it, so the active rows are always the first ones and a forward runs over exactly them.
+    Rows keep their own lengths (their own columns), so nothing is ever left-padded or compacted.
+    Runs eagerly (oneDNN-packed on a CPU): a batch's row count changes step to step.
+    """
+
+    def __init__(self, fast: FastForward, max_batch_size: int):
+        self.fast = fast
+        self.max_batch_size = max_batch_size
+        self.cache = fast.new_cache(0, batch=max_batch_size)
+        self.rows = 0
+        self._pending: list[VerifyBlock] = []
+
+    def reserve(self, length: int) -> None:
+        """Make room for a row of up to ``length`` positions (the cache grows; rows keep their entries)."""
+        needed = self.fast.new_cache(length).capacity
+        if needed > self.cache.capacity:
+            self.cache = self.cache.grown(needed)
+
+    def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
+        row = self.rows
+        logits, features = self.fast.prefill(self.cache, row, input_ids)
+        self.rows += 1
+        return TargetOutput(TargetScores(logits[0]), features)
+
+    def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
+        view = self.cache.leading(len(blocks))
+        visibilities = [block_visibility(b.width, b.tree.parents if b.tree is not None else None) for b in blocks]
+        logits, features = self.fast.verify(view, [b.tokens for b in blocks], visibilities,
+                                            [b.start for b in blocks])
+        self._pending = blocks
+        return [TargetOutput(TargetScores(logits[r, :b.width]),
+                             None if features is None else features[r:r + 1, :b.width])
+                for r, b in enumerate(blocks)]
+
+    def keep(self, kept_rows: list[list[int]]) -> None:
+        for row, rows in enumerate(kept_rows):
+            self.cache.keep(row, rows)
+        self._pending = []
+
+    def keep_sequences(self, indices: list[int]) -> None:
+        """Only these rows (by index, in order) go on; the others leave their slots."""
+        for slot, row in enumerate(indices):
+            if row != slot:
+                self.cache.move_row(row, slot)
+        self.rows = len(indices)
 
 
 def configure_inductor(cache_dir: str | None = None) -> None:

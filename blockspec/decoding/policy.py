@@ -24,8 +24,10 @@ from blockspec.errors import BlockspecError
 #: GenerationConfig.block_size value that turns adaptive width on.
 AUTO = "auto"
 #: While drafting pays less than plain decoding, draft only every this many steps (to keep
-#: measuring whether it has started to pay).
+#: measuring whether it has started to pay); each probe that still does not pay doubles the gap,
+#: up to PROBE_AT_MOST, so that text a drafter cannot predict costs next to nothing.
 PROBE_EVERY = 8
+PROBE_AT_MOST = 64
 
 
 # ---------------------------------------------------------------------------
@@ -112,17 +114,24 @@ class AdaptiveWidth:
         #: Running tokens per second of the steps that drafted (draft + verify time).
         self.drafting_rate: float | None = None
         self._skipped = 0
+        self._probe_gap = PROBE_EVERY
+        self._probing = False
 
     def should_draft(self) -> bool:
-        """Whether to draft this step: no when drafting has paid less than one-token steps, but
-        every ``PROBE_EVERY``-th step anyway. (Skipping only makes the step plain decoding.)"""
-        if self.drafting_rate is None or self.drafting_rate >= 1.0 / self.costs(1):
+        """Whether to draft this step: no when drafting has paid less than one-token steps, but every
+        ``PROBE_EVERY``-th step anyway, a gap that doubles with each probe that still does not pay.
+        (Skipping only makes the step plain decoding.)"""
+        if not self._drafting_lags():
             return True
         self._skipped += 1
-        if self._skipped >= PROBE_EVERY:
+        if self._skipped >= self._probe_gap:
             self._skipped = 0
+            self._probing = True
             return True
         return False
+
+    def _drafting_lags(self) -> bool:
+        return self.drafting_rate is not None and self.drafting_rate < 1.0 / self.costs(1)
 
     def expected_tokens(self, confidences) -> list[float]:
         """Expected tokens a verify of width w produces, for w = 1..len(confidences)+1."""
@@ -174,6 +183,11 @@ class AdaptiveWidth:
         rate = tokens / seconds
         self.drafting_rate = rate if self.drafting_rate is None else \
             self.drafting_rate + EMA_WEIGHT * (rate - self.drafting_rate)
+        if not self._drafting_lags():
+            self._probe_gap = PROBE_EVERY
+        elif self._probing:
+            self._probe_gap = min(2 * self._probe_gap, PROBE_AT_MOST)
+        self._probing = False
 
     def _observe_times(self, width: int, verify_seconds: float, draft_seconds: float) -> None:
         self.costs.observe(width, verify_seconds)

@@ -73,8 +73,39 @@ class StaticKVCache:
                 values[row, :, target] = values[row, :, source]
         self.lengths[row] = start + len(kept_rows)
 
-    def free_room(self, row: int) -> int:
-        return self.capacity - self.lengths[row]
+    def leading(self, rows: int) -> "StaticKVCache":
+        """A view of the first ``rows`` rows (sharing the buffers): what a forward over those rows writes."""
+        view = StaticKVCache.__new__(StaticKVCache)
+        view.keys = [keys[:rows] for keys in self.keys]
+        view.values = [values[:rows] for values in self.values]
+        view.lengths = self.lengths[:rows]
+        view.write_columns, view.view = None, self.capacity
+        return view
+
+    def move_row(self, source: int, target: int) -> None:
+        """Row ``source``'s entries and length into row ``target`` (a leaving row's slot is refilled)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[target] = keys[source]
+            values[target] = values[source]
+        self.lengths[target] = self.lengths[source]
+
+    def grown(self, capacity: int) -> "StaticKVCache":
+        """A copy with room for ``capacity`` columns (every row's entries and length kept)."""
+        keys = self.keys[0]
+        config = _CacheShape(len(self.keys), keys.shape[1], keys.shape[3])
+        bigger = StaticKVCache(config, self.batch, capacity, keys.dtype, keys.device)
+        for old, new in zip(self.keys + self.values, bigger.keys + bigger.values):
+            new[:, :, :self.capacity] = old
+        bigger.lengths = list(self.lengths)
+        return bigger
+
+
+class _CacheShape:
+    """The few config fields a ``StaticKVCache`` reads, for growing one without the model's config."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int):
+        self.num_hidden_layers, self.num_key_value_heads, self.head_dim = layers, heads, head_dim
+        self.num_attention_heads, self.hidden_size = heads, heads * head_dim
 
 
 def block_visibility(width: int, parents: list[int] | None = None) -> torch.Tensor:

@@ -43,7 +43,7 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     check_decoding(drafter, decoding)
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
-                           metrics=metrics, per_sequence=decoding.per_sequence)
+                           metrics=metrics, per_sequence=decoding.per_sequence, compile=decoding.compile)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

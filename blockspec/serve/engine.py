@@ -45,6 +45,9 @@ class DecodingOptions:
     block_size: int | str | None = None
     tree_budget: int | None = None
     tree_top_k: int = DEFAULT_TREE_TOP_K
+    #: The target's forward (GenerationConfig.compile): batches run the fast path's static cache eagerly,
+    #: one request at a time runs its compiled graphs.
+    compile: str = "off"
 
     @property
     def per_sequence(self) -> bool:
@@ -52,7 +55,8 @@ class DecodingOptions:
         return self.block_size == AUTO or self.tree_budget is not None
 
     def config_fields(self) -> dict:
-        return {"block_size": self.block_size, "tree_budget": self.tree_budget, "tree_top_k": self.tree_top_k}
+        return {"block_size": self.block_size, "tree_budget": self.tree_budget, "tree_top_k": self.tree_top_k,
+                "compile": self.compile}
 
 
 @dataclass
@@ -89,11 +93,11 @@ class ServingEngine:
     """Owns the ``BatchEngine`` thread; ``submit`` and ``cancel`` are called from the event loop."""
 
     def __init__(self, target_model, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
-                 metrics: ServerMetrics | None = None, per_sequence: bool = False):
+                 metrics: ServerMetrics | None = None, per_sequence: bool = False, compile: str = "off"):
         if per_sequence:
             self.engine = SequentialEngine(target_model, drafter)
         else:
-            self.engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size)
+            self.engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size, compile=compile)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
