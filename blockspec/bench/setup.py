@@ -65,6 +65,12 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
             if name == "dflash" and compiled:
                 options["packed"] = True
             drafters[key] = build_drafter(name, target, draft, **options)
+    if compiled:  # AR shares the graphs of the first drafter that reads features (see fast_forward)
+        from blockspec.decoding.fast import fast_forward
+
+        readers = [d for d in drafters.values() if d.feature_layers]
+        if readers:
+            fast_forward(target.model, readers[0].feature_layers)
     loaded = None
     if "hf-assisted" in names:  # the draft method's LM when it is the same one, loaded once
         wanted = assistant or drafts["draft"]

@@ -330,9 +330,15 @@ _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def fast_forward(model, feature_layers: list[int] | None, *, compile: bool = True,
                  progress: Callable[[str], None] | None = None) -> FastForward:
-    """The model's shared ``FastForward`` for these feature layers (created on first use)."""
+    """The model's shared ``FastForward`` for these feature layers (created on first use).
+
+    A caller that reads no features (plain AR) gets one that exists for some features, if any: the
+    features cost next to nothing, and its compiled graphs are then shared with the drafting decodes.
+    """
     per_model = _SHARED.setdefault(model, {})
     key = (tuple(feature_layers or ()), compile)
+    if not feature_layers and key not in per_model:
+        key = next((known for known in per_model if known[1] == compile), key)
     if key not in per_model:
         per_model[key] = FastForward(model, feature_layers, compile=compile, progress=progress)
     elif progress is not None:
