@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from blockspec.bench.replay import recorded_answers, replay_acceptance
-from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
 from blockspec.drafters.registry import load_drafter
+from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.errors import BlockspecError
 from blockspec.models.target import load_target
 

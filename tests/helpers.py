@@ -24,7 +24,7 @@ from blockspec.decoding.costs import CostModel
 from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.dllm.model import HFDiffusionModel
-from blockspec.drafters.base import Proposal, TreeDrafter
+from blockspec.drafters.base import PositionwiseDrafter, Proposal
 from blockspec.models.dflash import DFlashDraftModel, make_dflash_config
 from blockspec.models.eagle3 import Eagle3DraftModel, make_eagle3_config
 from blockspec.models.mtp import MTPDraftModel, make_mtp_config
@@ -150,7 +150,7 @@ def perturbed_copy(model, scale=0.02, seed=0):
     return noisy
 
 
-class NoisyOracle(TreeDrafter):
+class NoisyOracle(PositionwiseDrafter):
     """A drafter offering per-position distributions in which the true next token is often,
     but not always, first: second place sends the chain astray and the tree to a sibling.
 

@@ -91,7 +91,7 @@ def test_generate_and_serve_default_to_the_library_tree_fan_out():
     from blockspec.cli import build_parser
     from blockspec.cli.generate import generation_config
     from blockspec.cli.serve import decoding_options
-    from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
+    from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 
     assert generation_config(build_parser().parse_args(["generate", "hello"])).tree_top_k == DEFAULT_TREE_TOP_K
     assert decoding_options(build_parser().parse_args(["serve"])).tree_top_k == DEFAULT_TREE_TOP_K

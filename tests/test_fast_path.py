@@ -2,19 +2,34 @@
 
 import pytest
 import torch
-from helpers import (MAX_NEW, PASS, PROMPT, SAMPLES, VOCAB, NoisyOracle, chi_square_pvalue, decode, exact_joint,
-                     hf_greedy, make_causal_lm, make_dflash, prompts, sampled_joint, small_target)
 
 from blockspec.decoding.fast import FastForward, StaticTarget, bucket_width, compile_choice
 from blockspec.decoding.forward import SequenceTarget, VerifyBlock
 from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.decoding.static_cache import StaticKVCache, block_visibility, capacity_for
-from blockspec.decoding.tree import Tree
 from blockspec.drafters.dflash import DFlashDrafter
+from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
 from blockspec.models.packed import module_twin
 from blockspec.sampling import SamplingConfig
+from helpers import (
+    MAX_NEW,
+    PASS,
+    PROMPT,
+    SAMPLES,
+    VOCAB,
+    NoisyOracle,
+    chi_square_pvalue,
+    decode,
+    exact_joint,
+    hf_greedy,
+    make_causal_lm,
+    make_dflash,
+    prompts,
+    sampled_joint,
+    small_target,
+)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -6,9 +6,10 @@ import torch
 from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.policy import WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig
-from blockspec.decoding.tree import Tree, build_tree, tree_attention_mask, tree_position_ids
+from blockspec.decoding.tree import tree_attention_mask, tree_position_ids
 from blockspec.decoding.verifier import TargetScores, verify_tree
 from blockspec.drafters.dflash import DFlashDrafter
+from blockspec.drafters.tree import Tree, build_tree
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig
 from helpers import (

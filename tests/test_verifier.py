@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from blockspec.decoding.tree import Tree
 from blockspec.decoding.verifier import TargetScores, Verdict, verify_chain, verify_tree
+from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig
 

@@ -19,9 +19,9 @@ import torch
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.sequence import GenerationConfig, new_sequence
 from blockspec.decoding.step import decode_step, prefill_step
-from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import TreeDrafter
+from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.errors import BlockspecError
 from blockspec.models.target import layer_features
 from blockspec.tokens import encode_prompt

@@ -15,9 +15,10 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from blockspec.decoding.cache import rewind_cache
-from blockspec.decoding.tree import Tree, tree_attention_mask, tree_position_ids
+from blockspec.decoding.cache import LinearStates, new_target_cache, rewind_cache, sliding_window_of, trim_to_window
+from blockspec.decoding.tree import tree_attention_mask, tree_position_ids
 from blockspec.decoding.verifier import TargetScores
+from blockspec.drafters.tree import Tree
 from blockspec.models.target import layer_features, position_ids
 
 
@@ -71,33 +72,63 @@ class VerifyTarget(Protocol):
 
 
 class SequenceTarget:
-    """One sequence's target forwards over a ``DynamicCache`` of its own."""
+    """One sequence's target forwards over a ``DynamicCache`` of its own (rolled back layer by layer:
+    ``blockspec.decoding.cache``)."""
 
     def __init__(self, model, feature_layers: list[int] | None):
         self.model = model
         self.feature_layers = feature_layers
-        self.cache = DynamicCache(config=model.config)
+        self.cache: DynamicCache = new_target_cache(model)
+        self.linear = LinearStates(model, self.cache)
+        self._window = sliding_window_of(self.cache)
+        self._layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
         self._pending: VerifyBlock | None = None
 
     def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1,
                          output_hidden_states=self.feature_layers is not None)
+        trim_to_window(self.cache)
         return TargetOutput(TargetScores(out.logits[0, -1:]), self._features(out))
 
     def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
         (block,) = blocks
         device = self.model.device
-        out = self.model(input_ids=torch.tensor([block.tokens], device=device),
-                         position_ids=block.position_ids(device),
-                         attention_mask=block.attention_mask(self.model.dtype, device),
-                         cache=self.cache, use_cache=True, output_hidden_states=self.feature_layers is not None)
+        with self.linear.recording(self.cache):
+            out = self.model(input_ids=torch.tensor([block.tokens], device=device),
+                             position_ids=block.position_ids(device), attention_mask=self._tree_mask(block),
+                             cache=self.cache, use_cache=True, output_hidden_states=self.feature_layers is not None)
         self._pending = block
         return [TargetOutput(TargetScores(out.logits[0]), self._features(out))]
 
     def keep(self, kept_rows: list[list[int]]) -> None:
         (rows,) = kept_rows
-        rewind_cache(self.cache, self._pending.start, self._pending.width, rows)
+        block = self._pending
+        rewind_cache(self.cache, block.start, block.width, rows)
+        self.linear.rewind(self.cache, [len(rows)], block.width)
         self._pending = None
+
+    def _tree_mask(self, block: VerifyBlock):
+        """None for a chain; a tree's mask, per layer type where sliding-window layers see less context."""
+        dtype, device = self.model.dtype, self.model.device
+        if block.tree is None or self._window is None:
+            return block.attention_mask(dtype, device)
+        sliding = sliding_tree_mask(block.tree, block.start, self._window, dtype, device)
+        if self._layer_types is None:  # every layer slides (a window set for the whole model)
+            return sliding
+        full = block.attention_mask(dtype, device)
+        return {kind: sliding if kind == "sliding_attention" else full for kind in set(self._layer_types)}
 
     def _features(self, out) -> torch.Tensor | None:
         return None if self.feature_layers is None else layer_features(out.hidden_states, self.feature_layers)
+
+
+def sliding_tree_mask(tree: Tree, start: int, window: int, dtype, device) -> torch.Tensor:
+    """A tree's additive mask [1, 1, 1 + n, c + 1 + n] for a sliding-window layer, which holds the
+    c = min(start, window - 1) positions before the root: a node also loses what is ``window`` or
+    more positions behind it."""
+    context = min(start, window - 1)
+    mask = tree_attention_mask(tree, context, dtype, device)
+    depths = torch.tensor([0] + tree.depths)
+    offsets = torch.cat([torch.arange(-context, 0), depths])
+    too_far = depths.unsqueeze(1) - offsets.unsqueeze(0) >= window
+    return mask.masked_fill(too_far.to(device)[None, None], torch.finfo(dtype).min)

@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from blockspec.decoding.cache import tree_unsupported_reason
 from blockspec.decoding.policy import AUTO, AdaptiveWidth, check_block_size
-from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
+from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 
 #: ``GenerationConfig.compile`` values.
 COMPILE_CHOICES = ("auto", "on", "off")
@@ -215,6 +216,7 @@ def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationCo
     """A sequence ready for its prefill, its options checked (they fail here, not mid-decoding)."""
     ids = as_batch_of_one(input_ids, model.device)
     check_tree_drafter(drafter, config.tree_budget)
+    config = chain_unless_trees_verify(model, config)
     return Sequence(input_ids=ids, config=config, drafter=drafter,
                     block_size=resolve_block_size(drafter, config.block_size),
                     max_new_tokens=fit_to_context(model, ids.shape[1], config.max_new_tokens),
@@ -236,6 +238,15 @@ def check_tree_drafter(drafter: Drafter | None, tree_budget: int | None) -> None
     if tree_budget and not isinstance(drafter, TreeDrafter):
         raise BlockspecError("tree verification (--tree-budget) drafts from one pass's per-position distributions: "
                              f"it needs the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
+
+
+def chain_unless_trees_verify(model, config: GenerationConfig) -> GenerationConfig:
+    """On a target whose layers cannot verify a token tree in one forward (a linear-attention state
+    follows one sequence: ``tree_unsupported_reason``), the drafter's chain is verified instead, at the
+    block size asked for (or the drafter's own)."""
+    if config.tree_budget and tree_unsupported_reason(model) is not None:
+        return replace(config, tree_budget=None)
+    return config
 
 
 def resolve_block_size(drafter: Drafter | None, requested: int | str | None) -> int:

@@ -21,9 +21,9 @@ import torch
 from blockspec.clock import wall_clock
 from blockspec.decoding.forward import TargetOutput, VerifyBlock, VerifyTarget
 from blockspec.decoding.sequence import Sequence, Step
-from blockspec.decoding.tree import Tree, build_tree
 from blockspec.decoding.verifier import TargetScores, Verdict, verify_chain, verify_tree
 from blockspec.drafters.base import Proposal
+from blockspec.drafters.tree import Tree
 from blockspec.sampling import sample_from
 
 
@@ -88,17 +88,16 @@ def draft(sequence: Sequence) -> Draft:
 
 
 def _draft_tree(sequence: Sequence, depth: int, began: float) -> Draft:
-    """The tree of the most probable draft paths from one pass's per-position distributions."""
+    """The drafter's token tree (with an adaptive width: as many of its nodes as pay)."""
     config = sequence.config
-    logits = sequence.drafter.draft_logits(sequence.draft_state, sequence.last_token, depth)
-    probs = torch.softmax(logits.float(), dim=-1)
-    tree = build_tree(probs, config.tree_budget, config.tree_top_k)
+    tree, confidences = sequence.drafter.draft_tree(sequence.draft_state, sequence.last_token, depth,
+                                                    config.tree_budget, config.tree_top_k)
     result = Draft(VerifyBlock([sequence.last_token], sequence.position), drafting_began=began)
     policy = sequence.width_policy
     if policy is not None:
         result.verifying_began = wall_clock(sequence.device)
-        result.confidences = [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
-        tree = tree.first(policy.choose_tree_size(result.confidences, tree.parents))
+        result.confidences = confidences
+        tree = tree.first(policy.choose_tree_size(confidences, tree.parents))
         sequence.widths.append(len(tree) + 1)
     result.block.tokens += tree.tokens
     result.block.tree = tree

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.tree import Tree
+from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig, sample_from, sampling_probs
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from blockspec.drafters.tree import Tree, build_tree
 from blockspec.sampling import SamplingConfig
 
 
@@ -80,8 +81,25 @@ class Drafter(ABC):
 
 
 class TreeDrafter(Drafter):
-    """A drafter whose one pass gives a distribution for every position: a token tree can be drafted from it."""
+    """A drafter that proposes a token tree: many candidate continuations, verified in one target forward."""
+
+    @abstractmethod
+    def draft_tree(self, state: DraftState, last_token: int, depth: int, budget: int,
+                   top_k: int) -> tuple[Tree, list[float]]:
+        """At most ``budget`` nodes, ``depth`` deep, ``top_k`` children each, following ``last_token``; and the
+        drafter's confidence in each node (what the adaptive width calibrates)."""
+
+
+class PositionwiseDrafter(TreeDrafter):
+    """A drafter whose one pass gives a distribution for every block position (DFlash): its tree holds the
+    nodes of highest joint probability, its confidence in a node is that position's probability of it."""
 
     @abstractmethod
     def draft_logits(self, state: DraftState, last_token: int, num_tokens: int) -> torch.Tensor:
         """Logits [num_tokens, V] for the positions after ``last_token``."""
+
+    def draft_tree(self, state: DraftState, last_token: int, depth: int, budget: int,
+                   top_k: int) -> tuple[Tree, list[float]]:
+        probs = torch.softmax(self.draft_logits(state, last_token, depth).float(), dim=-1)
+        tree = build_tree(probs, budget, top_k)
+        return tree, [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.drafters.base import Proposal, TreeDrafter
+from blockspec.drafters.base import PositionwiseDrafter, Proposal
 from blockspec.errors import BlockspecError
 from blockspec.models.dflash import ContextCache, DFlashDraftModel, check_fits_target, load_dflash_model
 from blockspec.models.packed import module_twin, pack, packing_available
@@ -53,7 +53,7 @@ class DFlashState:
     commit_counts: list[int] = field(default_factory=list)
 
 
-class DFlashDrafter(TreeDrafter):
+class DFlashDrafter(PositionwiseDrafter):
     """One pass over [last token, MASK, ...] drafts every block position.
 
     With ``denoise_steps`` K > 1 the block is denoised in K passes: after each pass the most
