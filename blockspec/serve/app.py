@@ -8,23 +8,29 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 import anyio
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
+from blockspec.serve.limits import check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
 from blockspec.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request
+
+log = logging.getLogger("blockspec.serve")
 
 #: Completion length when a chat request gives none and the model states no context.
 _DEFAULT_CHAT_TOKENS = 4096
@@ -32,15 +38,17 @@ _DEFAULT_CHAT_TOKENS = 4096
 
 def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
                api_key: str | None = None, decoding: DecodingOptions | None = None) -> FastAPI:
-    """An app serving ``target`` under its name; ``api_key`` turns on Bearer authentication.
+    """An app serving ``target`` under its name; ``api_key`` turns on Bearer authentication of /v1.
 
     ``decoding`` sets the verify width and token tree of every request; with a tree or the
     adaptive width, requests are decoded one at a time.
     """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
+    if api_key is not None and not api_key.strip():
+        raise BlockspecError("the API key is empty: give a key, or none to serve without authentication")
     decoding = decoding or DecodingOptions()
-    check_decoding(drafter, decoding)
+    check_decoding(target.model, drafter, decoding)
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
                            metrics=metrics, per_sequence=decoding.per_sequence, compile=decoding.compile)
@@ -57,17 +65,23 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     app.state.engine = engine
     app.state.target = target
     app.state.created = int(time.time())
+    # The last added runs first: every answer is counted, a key is checked before the body is read,
+    # and an unexpected error still answers in OpenAI's format.
+    app.add_middleware(UnexpectedErrors)
+    if api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=api_key)
     app.add_middleware(RequestCounter, metrics=metrics)
     _add_error_handlers(app)
-    _add_routes(app, target, engine, metrics, _api_key_check(api_key), decoding)
+    _add_routes(app, target, engine, metrics, decoding)
     return app
 
 
-def check_decoding(drafter, decoding: DecodingOptions) -> None:
+def check_decoding(model, drafter, decoding: DecodingOptions) -> None:
     """Refuse options no request could use, at start-up rather than on every request."""
     config = GenerationConfig(**decoding.config_fields())
     resolve_block_size(drafter, config.block_size)
     check_tree_drafter(drafter, config.tree_budget)
+    check_verify_size(model, drafter, config)
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -87,41 +101,103 @@ def _add_error_handlers(app: FastAPI) -> None:
         return APIError(error.status_code, str(error.detail), code=code).response()
 
 
+#: What a field with several accepted forms takes, for the error when a value has none of them.
+_FORMS = {"prompt": "a string, a list holding one string, or a list of token ids",
+          "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
+          "stop": "a string or a list of strings"}
+
+
 def validation_error(errors) -> APIError:
-    """FastAPI's validation errors as one OpenAI-style 400 naming the first bad field."""
-    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    """FastAPI's validation errors as one OpenAI-style 400 naming the first bad field by its path."""
+    errors = list(errors) or [{"type": "", "loc": (), "msg": "invalid request"}]
+    # A value our own validators refused says more than the union branches it did not match.
+    first = next((error for error in errors if error.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first["msg"])
         return bad_request(f"the request body is not valid JSON: {detail}", code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # A union field reports one branch per error location (e.g. prompt.str); keep the field itself.
-    param = loc[0] if loc else None
+    loc = list(first.get("loc", ()))[1:] if first.get("loc", ())[:1] == ("body",) else list(first.get("loc", ()))
+    path = [part for part in loc if not _is_union_branch(part)]
+    if not path:
+        if first.get("type") == "missing":
+            return bad_request("the request body is empty: send a JSON object with 'model' and 'messages' "
+                               "(chat) or 'prompt' (completions)", code="missing_body")
+        return bad_request(f"the request body must be a JSON object: {first['msg']}", code="invalid_value")
+    param = _param_path(path)
     if first.get("type") == "missing":
         return bad_request(f"'{param}' is a required field", param=param, code="missing_required_field")
-    where = ".".join(loc) or "the request body"
-    return bad_request(f"invalid value for '{where}': {first['msg']}", param=param, code="invalid_value")
+    field = next((part for part in reversed(path) if isinstance(part, str)), "")
+    detail = first["msg"].removeprefix("Value error, ")
+    if first.get("type") != "value_error" and len(path) < len(loc) and field in _FORMS:
+        detail = f"expected {_FORMS[field]}"
+    return bad_request(f"invalid value for '{param}': {detail}", param=param, code="invalid_value")
 
 
-def _api_key_check(api_key: str | None):
-    """A dependency refusing requests without ``Authorization: Bearer <api_key>`` (if a key is set)."""
+def _is_union_branch(part) -> bool:
+    """A union field reports each branch it tried as a location step (prompt.str, prompt.list[int])."""
+    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper()
+                                      or part in ("str", "int", "float", "bool", "list", "dict", "none"))
 
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
 
-    return check
+def _param_path(path: list) -> str:
+    """messages[0].role, as OpenAI names a nested parameter."""
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+class APIKeyGuard:
+    """ASGI middleware refusing /v1 requests without ``Authorization: Bearer <api_key>``, before their
+    body is read (a client without the key learns nothing about its request)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        scheme, _, given = Headers(scope=scope).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"),
+                                                                  self.api_key)
+
+
+class UnexpectedErrors:
+    """ASGI middleware answering an unexpected exception with an OpenAI-style 500 (and logging it),
+    inside the request counter, so that the answer is counted like any other."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                error = APIError(500, "the server failed to answer this request: see its log", type="server_error",
+                                 code="internal_error")
+                await error.response()(scope, receive, send)
 
 
 # -- routes -------------------------------------------------------------------------------------
 
-def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: ServerMetrics, check_key,
+def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: ServerMetrics,
                 decoding: DecodingOptions) -> None:
-    authenticated = [Depends(check_key)]
-
     @app.get("/health")
     async def health():
         body = {"status": "ok" if engine.alive else "engine stopped", "in_flight": engine.in_flight,
@@ -134,22 +210,22 @@ def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: Se
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=authenticated)
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [_model_card(app, target)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=authenticated)
+    @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         _check_model(target, model_id)
         return _model_card(app, target)
 
-    @app.post("/v1/completions", dependencies=authenticated)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prepared = _prepare(target, body, "/v1/completions", _completion_prompt_ids(target, body), decoding)
         generation = Generation(engine, target.tokenizer, prepared).start()
         return await _respond(generation, body, request, TextCompletion(target))
 
-    @app.post("/v1/chat/completions", dependencies=authenticated)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prepared = _prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body), decoding)
         generation = Generation(engine, target.tokenizer, prepared).start()
@@ -172,7 +248,9 @@ def _completion_prompt_ids(target: Target, body: CompletionRequest) -> list[int]
     """Plain text (no chat template), as OpenAI's completions endpoint takes it, or token ids."""
     _check_model(target, body.model)
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and not prompt:
+        raise bad_request("the prompt is empty: give some text or token ids", param="prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         vocab = target.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise bad_request(f"prompt token ids must lie in [0, {vocab})", param="prompt")
@@ -195,20 +273,31 @@ def _encode(target: Target, prompt, *, use_chat_template: bool, param: str) -> l
         return target.encode_prompt(prompt, use_chat_template)
     except BlockspecError as error:
         raise bad_request(str(error), param=param) from error
+    except TemplateError as error:  # e.g. a template that insists on alternating roles
+        raise bad_request(f"the model's chat template refused these messages: {error}", param=param) from error
 
 
 def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: list[int],
              decoding: DecodingOptions) -> PreparedRequest:
+    """The request as the engine runs it, every value checked before it joins the batch."""
     if body.n != 1:
         raise bad_request(f"n={body.n} is not supported: this server returns one choice per request",
                           param="n", code="unsupported_value")
+    max_new_tokens = _token_limit(target, body, len(prompt_ids))
+    if body.min_tokens > max_new_tokens:
+        raise bad_request(f"min_tokens {body.min_tokens} is more than the {max_new_tokens} tokens this request may "
+                          "generate: lower it or raise max_tokens", param="min_tokens", code="invalid_value")
+    stop_ids = () if body.ignore_eos else target.stop_token_ids()
+    temperature, top_p, top_k = usable_sampling(body.temperature, body.top_p, body.top_k)
     try:
-        config = GenerationConfig(max_new_tokens=_token_limit(target, body, len(prompt_ids)),
-                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                  stop_token_ids=target.stop_token_ids(), **decoding.config_fields())
+        # With min_tokens the rows decode past stop tokens; the request itself ends at the first one after.
+        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=body.seed, stop_token_ids=() if body.min_tokens else stop_ids,
+                                  **decoding.config_fields())
     except BlockspecError as error:  # sampling values GenerationConfig refuses
         raise bad_request(str(error), code="invalid_value") from error
-    return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings())
+    return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings(), min_tokens=body.min_tokens,
+                           stop_token_ids=stop_ids)
 
 
 def _token_limit(target: Target, body: SamplingFields, prompt_tokens: int) -> int:

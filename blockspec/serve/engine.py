@@ -13,6 +13,13 @@ the next tokens show whether it does.
 The engine is a ``BatchEngine`` (rows verified together at a fixed width), or, when the server
 verifies token trees or chooses widths adaptively, a ``SequentialEngine`` (one request at a
 time: those choices are per sequence).
+
+A request's tokens are read from its row after every step (not from the step's events), so a
+row that is prefilled and finishes within one step keeps all its tokens. One request's failure
+never reaches another: when a step fails, the row that failed is found (the one being
+prefilled, or the one that fails again when each is tried alone), finished with an error, and
+every other row goes on in a fresh engine from the tokens it had (its prompt and answer so far
+prefilled anew: greedy rows continue exactly as they would have).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
 
 from blockspec.decoding.batch import BatchEngine, Row
@@ -80,6 +87,20 @@ class Submission:
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     row: Row | None = None
     done: bool = False
+    #: Tokens decoded in the rows this request had before a failed step moved it to a fresh engine.
+    earlier: list[int] = field(default_factory=list)
+    #: Tokens of ``output`` handed to the request so far.
+    delivered: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.earlier + (self.row.token_ids if self.row is not None else [])
+
+    def resume_config(self) -> GenerationConfig:
+        """The config that continues this request from ``output`` (a seeded row draws anew from a seed of its own)."""
+        done = len(self.output)
+        seed = self.config.seed if self.config.seed is None or not done else (self.config.seed + done) % 2**64
+        return replace(self.config, max_new_tokens=self.config.max_new_tokens - done, seed=seed)
 
     def deliver(self, update: TokenUpdate) -> None:
         """Called from the engine thread: hand the update to the request's event loop."""
@@ -198,28 +219,87 @@ class ServingEngine:
         self.metrics.prompt_tokens.inc(len(submission.input_ids))
 
     def _step(self) -> None:
-        rows = {s.row.id: s for s in self._snapshot() if s.row is not None}
+        running = [s for s in self._snapshot() if s.row is not None and not s.done]
         try:
             events = self.engine.step()
-        except Exception as error:  # noqa: BLE001 - a failed forward must not take the server down
+        except Exception as error:  # noqa: BLE001 - a failed step must not take the server or other requests down
             log.exception("engine step failed")
-            self._reset_engine()
-            for submission in rows.values():
-                self._finish(submission, TokenUpdate([], "error", error=f"decoding failed: {error}"))
+            self._recover(running, error)
             return
         for size in self.engine.batch_sizes:  # none when the step only prefilled
             self.metrics.batch_size.observe(size)
         self.engine.batch_sizes.clear()  # a server steps for ever: keep the figures in the histogram only
-        for event in events:
-            submission = rows.get(event.row.id)
-            if submission is None or submission.done:
-                continue
-            if event.row.finished:
-                self._finish(submission, TokenUpdate(event.step.tokens, event.row.stats.finish_reason,
-                                                     event.row.stats))
-            else:
-                submission.deliver(TokenUpdate(event.step.tokens))
+        stepped = {event.row.id for event in events}
+        for submission in running:
+            if submission.row.id in stepped:
+                self._deliver_new_tokens(submission)
         self._update_gauges()
+
+    def _deliver_new_tokens(self, submission: Submission) -> None:
+        """Hand the request the tokens its row added, finishing it with the row's last."""
+        if submission.done:
+            return
+        output = submission.output
+        tokens, submission.delivered = output[submission.delivered:], len(output)
+        row = submission.row
+        if row.finished:
+            self._finish(submission, TokenUpdate(tokens, row.stats.finish_reason, row.stats))
+        elif tokens:
+            submission.deliver(TokenUpdate(tokens))
+
+    # -- a failed step ------------------------------------------------------------------------
+
+    def _recover(self, running: list[Submission], error: Exception) -> None:
+        """Finish the request(s) whose row made the step fail; the others go on in a fresh engine."""
+        broken = self.engine
+        self.engine = broken.fresh()
+        failed = self._failed_rows(broken, running)
+        for submission in running:
+            if submission.done:
+                continue
+            if submission.row.finished:  # finished within the step, before it failed
+                self._deliver_new_tokens(submission)
+            elif submission in failed:
+                self._finish(submission, TokenUpdate([], "error", error=f"decoding failed: {error}"))
+            else:
+                self._resume(submission)
+        self._update_gauges()
+
+    def _failed_rows(self, broken, running: list[Submission]) -> list[Submission]:
+        """The requests to blame: the one being prefilled when the step failed, else the ones whose rows
+        fail when each is tried alone; all the step's rows if none does (a fault of the batch itself)."""
+        active = {row.id for row in broken.rows}
+        queued = {row.id for row in broken.waiting}
+        live = [s for s in running if not s.done and not s.row.finished]
+        admitting = [s for s in live if s.row.id not in active and s.row.id not in queued]
+        if admitting:
+            return admitting
+        stepping = [s for s in live if s.row.id in active]
+        if len(stepping) <= 1:
+            return stepping
+        return [s for s in stepping if self._fails_alone(broken, s)] or stepping
+
+    def _fails_alone(self, broken, submission: Submission) -> bool:
+        """Whether the request's row fails its prefill or first decode step in an engine of its own."""
+        trial = broken.fresh()
+        try:
+            trial.add(submission.input_ids + submission.output, submission.resume_config())
+            for _ in range(2):  # a batch engine prefills and decodes in one step, a sequential one in two
+                if trial.has_work:
+                    trial.step()
+        except Exception:  # noqa: BLE001 - this is the question asked
+            return True
+        return False
+
+    def _resume(self, submission: Submission) -> None:
+        """Continue the request in the current engine from the tokens it has."""
+        output = submission.output
+        config = submission.resume_config()
+        submission.earlier, submission.row = output, None
+        try:
+            submission.row = self.engine.add(submission.input_ids + output, config)
+        except Exception as error:  # noqa: BLE001
+            self._finish(submission, TokenUpdate([], "error", error=f"decoding failed: {error}"))
 
     def _finish(self, submission: Submission, update: TokenUpdate) -> None:
         if update.stats is not None and update.stats.acceptance_lengths:
@@ -236,10 +316,6 @@ class ServingEngine:
     def _snapshot(self) -> list[Submission]:
         with self._lock:
             return list(self._in_flight.values())
-
-    def _reset_engine(self) -> None:
-        """A fresh engine over the same model and drafters (the old cache may be half-updated)."""
-        self.engine = self.engine.fresh()
 
     def _fail_all(self, message: str) -> None:
         for submission in self._snapshot():
@@ -296,6 +372,10 @@ class PreparedRequest:
     prompt_ids: list[int]
     config: GenerationConfig
     stop_strings: list[str]
+    #: With min_tokens the row decodes without stop tokens (``config``); the first of ``stop_token_ids``
+    #: at or after the min_tokens-th token ends the request.
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class Generation:
@@ -377,17 +457,32 @@ class Generation:
                 continue
 
     def _take(self, tokens: list[int]) -> str:
-        """Account for new tokens; the text they add, cut at a stop string (which ends the request)."""
+        """Account for new tokens; the text they add, cut at a stop token past min_tokens or a stop string
+        (either ends the request)."""
         if tokens and not self._first_token_seen:
             self._first_token_seen = True
             self.engine.metrics.time_to_first_token.labels(self.request.endpoint).observe(
                 time.perf_counter() - self.started_at)
+        tokens, stop_token = self._cut_at_late_stop_token(tokens)
         self.completion_tokens += len(tokens)
         text, stopped = self.stops.feed(self.detokenizer.add(tokens))
-        if stopped:
+        if stop_token and not stopped:
+            text += self._rest_of_text()
+        if stopped or stop_token:
             self.finish_reason = "stop"
             self.engine.cancel(self.submission)
         return text
+
+    def _cut_at_late_stop_token(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """With min_tokens: the tokens up to the first stop token at or after the min_tokens-th, and whether
+        there was one."""
+        request = self.request
+        if not request.min_tokens:
+            return tokens, False
+        for i, token in enumerate(tokens):
+            if token in request.stop_token_ids and self.completion_tokens + i >= request.min_tokens:
+                return tokens[:i + 1], True
+        return tokens, False
 
     def _rest_of_text(self) -> str:
         """At the end: half characters the detokenizer held back, and text held for stop strings."""

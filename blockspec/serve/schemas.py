@@ -3,15 +3,19 @@
 The models follow OpenAI's completions and chat completions APIs closely enough for its
 clients; fields blockspec does not implement (logprobs, tools, penalties...) are ignored
 rather than refused, as most OpenAI-compatible servers do, except ``n`` > 1, which would
-silently change the shape of the answer.
+silently change the shape of the answer. Types are strict, as OpenAI's are: ``"stream":
+"yes"`` or ``true`` among token ids is refused rather than read as something else, and
+text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from blockspec.serve.limits import SEED_MAX, SEED_MIN
 
 
 class APIError(Exception):
@@ -38,26 +42,45 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"the text holds a lone surrogate ({text[error.start]!a} at character {error.start}): "
+                         "send valid Unicode") from None
+    return text
+
+
+#: Any text of a request.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """What both endpoints share. Defaults are OpenAI's (temperature 1); 0 is greedy."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str
+    model: Text
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     #: Not OpenAI's, but common in compatible servers; 0 keeps every token.
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
+    #: vLLM's: decode to the token limit whatever stop tokens come (load generators send it).
+    ignore_eos: bool = False
+    #: vLLM's: stop tokens do not end the answer before this many tokens.
+    min_tokens: int = Field(0, ge=0)
 
     @property
     def include_usage(self) -> bool:
@@ -71,7 +94,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """``prompt`` is text, a list holding one text, or token ids."""
 
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
     @property
@@ -80,17 +103,17 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
 
     def as_template_message(self) -> dict:
         """The message as the chat template takes it (text parts joined)."""
