@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from blockspec.bench.replay import recorded_answers, replay_acceptance
-from blockspec.drafters.registry import load_drafter
+from blockspec.drafters.registry import build_drafter
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.errors import BlockspecError
 from blockspec.models.target import load_target
@@ -30,6 +30,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="results.json of a greedy blockspec bench run (its ar records)")
     parser.add_argument("--draft", nargs="+", required=True, metavar="DIR", help="DFlash drafter directories")
+    parser.add_argument("--methods", nargs="+", default=["dflash"],
+                        help="drafting methods over each drafter: dflash, dflash+suffix, dflash+ngram, suffix "
+                             "(copy sources remember each replayed answer, as a server remembers its outputs)")
     parser.add_argument("--target", default=None, help="target (default: the run's)")
     parser.add_argument("--data-dir", default=None,
                         help="where the run read its prompts, for runs whose records lack prompt_ids")
@@ -66,22 +69,28 @@ def run(args) -> list[dict]:
                  for b in args.trees for k in args.tree_top_k]
     rows = []
     for directory in args.draft:
-        drafter = load_drafter(directory, target, "dflash")
-        for name, options in settings:
-            lengths = defaultdict(list)
-            for answer in tqdm(answers, desc=f"{Path(directory).name} {name}", leave=False):
-                lengths[answer.dataset] += replay_acceptance(target.model, drafter, answer.prompt_ids,
-                                                             answer.answer_ids, max_new_tokens=max_new, **options)
-            for dataset, steps in lengths.items():
-                rows.append({"draft": directory, "setting": name, "dataset": dataset,
-                             "prompts": sum(a.dataset == dataset for a in answers), "tau": sum(steps) / len(steps)})
+        for method in args.methods:
+            for name, options in settings:
+                drafter = build_drafter(method, target, None if method == "suffix" else directory)
+                lengths = defaultdict(list)
+                for answer in tqdm(answers, desc=f"{Path(directory).name} {method} {name}", leave=False):
+                    lengths[answer.dataset] += replay_acceptance(target.model, drafter, answer.prompt_ids,
+                                                                 answer.answer_ids, max_new_tokens=max_new,
+                                                                 **options)
+                    if hasattr(drafter, "remember"):
+                        drafter.remember(answer.answer_ids)
+                for dataset, steps in lengths.items():
+                    rows.append({"draft": directory, "method": method, "setting": name, "dataset": dataset,
+                                 "prompts": sum(a.dataset == dataset for a in answers),
+                                 "tau": sum(steps) / len(steps)})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| draft | setting | dataset | prompts | tau |\n|---|---|---|---|---|")
+    print("| draft | method | setting | dataset | prompts | tau |\n|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {Path(row['draft']).name} | {row['setting']} | {row['dataset']} | {row['prompts']} | {row['tau']:.3f} |")
+        print(f"| {Path(row['draft']).name} | {row['method']} | {row['setting']} | {row['dataset']} | "
+              f"{row['prompts']} | {row['tau']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -85,3 +85,108 @@ def test_continuations_are_the_most_frequent_paths_parents_first():
     assert all(c.tokens[:-1] == paths[c.parent].tokens for c in paths if c.parent >= 0)
     assert len(index.continuations(node, budget=10, max_depth=1)) == 2
     assert index.continuations(node, budget=10, max_depth=3, min_probability=0.5)[-1].probability >= 0.5
+
+
+# --- the drafter, its store, and hybrid trees --------------------------------------------------------------
+
+import torch  # noqa: E402
+
+from blockspec.decoding.sequence import GenerationConfig  # noqa: E402
+from blockspec.drafters.dflash import DFlashDrafter  # noqa: E402
+from blockspec.drafters.suffix import HybridDrafter, SuffixDrafter, SuffixStore  # noqa: E402
+from blockspec.sampling import SamplingConfig  # noqa: E402
+from helpers import (  # noqa: E402
+    MAX_NEW,
+    PASS,
+    PROMPT,
+    SAMPLES,
+    VOCAB,
+    chi_square_pvalue,
+    decode,
+    exact_joint,
+    hf_greedy,
+    make_causal_lm,
+    make_dflash,
+    repetitive_prompts,
+    sampled_joint,
+    small_target,
+)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def world(request):
+    target = make_causal_lm(request.param, vocab_size=320).double()
+    return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in repetitive_prompts(320, 12, seed=8)]
+
+
+def drafters(target):
+    dflash = DFlashDrafter(make_dflash(target, block_size=8), target)
+    return {"suffix": SuffixDrafter(SuffixStore()),
+            "dflash+suffix": HybridDrafter(dflash, SuffixDrafter(SuffixStore())),
+            "dflash+ngram": HybridDrafter(dflash, SuffixDrafter(None), name="dflash+ngram")}
+
+
+@pytest.mark.parametrize("method", ["suffix", "dflash+suffix", "dflash+ngram"])
+@pytest.mark.parametrize("tree_budget", [None, 12])
+def test_suffix_and_hybrid_drafting_are_lossless(world, method, tree_budget):
+    target, references = world
+    drafter = drafters(target)[method]
+    accepted = 0
+    for ids, expected in references:
+        config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, tree_budget=tree_budget)
+        stream = decode(target, ids, drafter, config)
+        assert stream.token_ids == expected
+        accepted += sum(stream.stats.accepted)
+        if hasattr(drafter, "remember"):
+            drafter.remember(ids[0].tolist() + stream.token_ids)  # later prompts may copy from earlier outputs
+    assert accepted > 0
+
+
+def test_the_store_keeps_to_its_size_and_evicts_the_oldest():
+    store = SuffixStore(max_tokens=50, depth=4)
+    for key in range(6):
+        store.add("k", [key] * 20)
+    assert store.tokens <= 50
+    held = {token for index in store.indexes.values() for token in index.root.children}
+    assert held == {4, 5}  # the two newest outputs
+
+
+def test_no_text_crosses_from_one_namespace_to_another():
+    store = SuffixStore()
+    secret = [7, 8, 9, 10, 11, 12, 13, 14]
+    SuffixDrafter(store, "alice").remember(secret * 3)
+    bob, alice = SuffixDrafter(store, "bob"), SuffixDrafter(store, "alice")
+    for drafter, expected in ((bob, []), (alice, [9, 10, 11])):
+        state = drafter.start(torch.tensor([[1, 2, 7]]), None)
+        proposal = drafter.propose(state, 8, 3, SamplingConfig(), None)
+        assert proposal.tokens.tolist() == expected
+
+
+def test_the_speculation_length_follows_the_match():
+    drafter = SuffixDrafter(None, depth_per_match=1.0)
+    state = drafter.start(torch.tensor([[1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3]]), None)
+    short = drafter.propose(drafter.start(torch.tensor([[5, 6, 1, 2, 3, 4, 5, 6, 7, 8]]), None), 5, 8,
+                            SamplingConfig(), None)
+    long = drafter.propose(state, 4, 8, SamplingConfig(), None)
+    assert long.tokens.tolist()[:2] == [5, 6] and len(long.tokens) <= 4
+    assert 1 <= len(short.tokens) <= 2
+
+
+@pytest.mark.slow
+def test_sampling_with_mixed_trees_follows_the_target():
+    target = small_target()
+    dflash = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5), target)
+    store = SuffixStore()
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(30):  # earlier outputs for the copy source: the target's own samples
+        with torch.no_grad():
+            ids = PROMPT.clone()
+            for _ in range(4):
+                probs = torch.softmax(target(ids).logits[0, -1], dim=-1)
+                ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)[None]], dim=1)
+        store.add(None, ids[0].tolist())
+    drafter = HybridDrafter(dflash, SuffixDrafter(store, depth_per_match=4.0, min_probability=0.0))
+    sampling = SamplingConfig(temperature=1.0)
+    probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, tree_budget=6, tree_top_k=3)
+    assert chi_square_pvalue(counts, probs, SAMPLES) > PASS

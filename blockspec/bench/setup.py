@@ -9,8 +9,10 @@ from blockspec.bench.methods import BASELINES, build_methods, parse_method_name
 from blockspec.drafters.registry import (
     AUTOREGRESSIVE,
     CHECKPOINT_METHODS,
+    DFLASH_METHODS,
     DRAFT_METHODS,
     DRAFTED_METHODS,
+    METHODS,
     build_drafter,
     shipped_draft,
 )
@@ -58,11 +60,11 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
     for key, spec in specs.items():
         name = spec.base
         if name in DRAFT_METHODS:
-            draft = drafts.get(name) or (assistant if name == "draft" else None)
+            draft = drafts.get(name) or drafts.get(METHODS[name].draft_of) or (assistant if name == "draft" else None)
             if name in CHECKPOINT_METHODS and draft is None:
                 raise BlockspecError(f"the {name} method needs --draft {name}=DIR (its checkpoint) for this target")
             options = {} if spec.denoise_steps == 1 else {"denoise_steps": spec.denoise_steps}
-            if name == "dflash" and compiled:
+            if name in DFLASH_METHODS and compiled:
                 options["packed"] = True
             drafters[key] = build_drafter(name, target, draft, **options)
     if compiled:  # AR shares the graphs of the first drafter that reads features (see fast_forward)

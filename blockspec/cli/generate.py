@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 import sys
 
-from blockspec.cli.options import add_model_options, add_sampling_options, tree_top_k_given
-from blockspec.drafters.registry import AUTOREGRESSIVE, DRAFTED_METHODS, detect_method, shipped_draft
+from blockspec.cli.options import (
+    DEFAULT_MAX_NEW_TOKENS,
+    add_model_options,
+    add_sampling_options,
+    read_prompt,
+    tree_top_k_given,
+)
+from blockspec.drafters.registry import AUTOREGRESSIVE, DFLASH_METHODS, DRAFTED_METHODS, detect_method, shipped_draft
 from blockspec.errors import BlockspecError
 
 
@@ -23,12 +29,15 @@ def run_generate(args) -> int:
     from blockspec.decoding.generate import warm_up_fast_path
     from blockspec.decoding.sequence import preferred_decoding
     from blockspec.decoding.text import stream_text
+    from blockspec.serve.limits import check_verify_size
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     config = generation_config(args)  # bad values are refused before the models load
     target, drafter = load_models(args)
     config = preferred_decoding(drafter, config)
+    check_verify_size(target.model, drafter, config)
     prompt_length = len(target.encode_prompt(prompt, not args.no_chat_template))
+    check_token_limit(args.max_new_tokens, prompt_length, target.context_length)
     warm_up_fast_path(target.model, drafter, config, prompt_length)
     stream = stream_text(target, prompt, drafter, config, use_chat_template=not args.no_chat_template)
     for chunk in stream:
@@ -47,10 +56,23 @@ def run_generate(args) -> int:
 
 def generation_config(args):
     from blockspec.decoding.sequence import GenerationConfig
+    from blockspec.serve.limits import usable_sampling
 
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            tree_budget=args.tree_budget, compile=args.compile, **tree_top_k_given(args))
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    temperature, top_p, top_k = usable_sampling(args.temperature, args.top_p, args.top_k)
+    return GenerationConfig(max_new_tokens=max_new_tokens, block_size=args.block_size, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=args.seed, tree_budget=args.tree_budget,
+                            compile=args.compile, **tree_top_k_given(args))
+
+
+def check_token_limit(asked: int | None, prompt_length: int, context: int | None) -> None:
+    """A --max-new-tokens the context cannot hold is an error (as the server answers it); the default
+    is lowered to fit."""
+    if asked is None or context is None or prompt_length + asked <= context:
+        return
+    room = context - prompt_length
+    raise BlockspecError(f"--max-new-tokens {asked} does not fit: the model's context is {context} tokens and the "
+                         f"prompt has {prompt_length}, so at most {max(room, 0)} can be generated")
 
 
 def drafter_choice(args) -> tuple[str | None, str | None, dict]:
@@ -61,7 +83,7 @@ def drafter_choice(args) -> tuple[str | None, str | None, dict]:
     method, draft = args.method, args.draft
     if method == "ngram" and draft is not None:
         raise BlockspecError("--method ngram drafts from the prompt and takes no --draft: drop --draft")
-    if draft is None and method in (None, "dflash") and (shipped := shipped_draft(args.target)) is not None:
+    if draft is None and method in (None, *DFLASH_METHODS) and (shipped := shipped_draft(args.target)) is not None:
         draft = str(shipped)
     if method in DRAFTED_METHODS and draft is None:
         what = "MODEL (a causal LM directory or a known name)" if method == "draft" else "DIR"
@@ -102,7 +124,7 @@ def load_models(args):
     compiled, reason = compile_choice(target.model, args.compile)
     if compiled:
         say(reason)
-    if compiled and method == "dflash":
+    if compiled and method in DFLASH_METHODS:
         options["packed"] = True
     drafter = None if method is None else build_drafter(method, target, draft, **options)
     if compiled:

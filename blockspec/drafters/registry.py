@@ -32,6 +32,8 @@ class DraftMethod:
     builder: str
     #: Words for error messages: "a DFlash checkpoint directory".
     described: str
+    #: The method whose checkpoint it reads (a hybrid reads DFlash's), None for its own.
+    draft_of: str | None = None
 
     def build(self, draft, target, **options):
         module, function = self.builder.split(":")
@@ -49,6 +51,11 @@ METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("draft", "model", (), "blockspec.drafters.draft_lm:build",
                 "a causal LM directory or a known model name such as qwen2.5-coder-0.5b-instruct"),
     DraftMethod("ngram", None, (), "blockspec.drafters.ngram:build", "nothing (prompt lookup)"),
+    DraftMethod("suffix", None, (), "blockspec.drafters.suffix:build", "nothing (suffix drafting)"),
+    DraftMethod("dflash+suffix", "checkpoint", (), "blockspec.drafters.suffix:build_hybrid",
+                "a DFlash checkpoint directory", draft_of="dflash"),
+    DraftMethod("dflash+ngram", "checkpoint", (), "blockspec.drafters.suffix:build_hybrid_lookup",
+                "a DFlash checkpoint directory", draft_of="dflash"),
 )}
 #: Drafting methods, in the order they are listed to users.
 DRAFT_METHODS = tuple(METHODS)
@@ -56,6 +63,8 @@ DRAFT_METHODS = tuple(METHODS)
 CHECKPOINT_METHODS = tuple(name for name, m in METHODS.items() if m.draft == "checkpoint")
 #: Methods that take a ``--draft``.
 DRAFTED_METHODS = tuple(name for name, m in METHODS.items() if m.draft is not None)
+#: Methods that read a DFlash checkpoint (DFlash itself and the hybrids over it).
+DFLASH_METHODS = tuple(name for name, m in METHODS.items() if "dflash" in (name, m.draft_of))
 
 #: The drafters shipped in the package (under ``blockspec/assets/``), by the known target they serve.
 SHIPPED_DRAFTS = {"smollm2-135m-instruct": "dflash-smollm2-135m"}
