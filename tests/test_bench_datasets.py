@@ -8,7 +8,7 @@ import pytest
 from blockspec.bench.datasets import BUNDLED, load_bundled, load_prompt_file
 from blockspec.errors import BlockspecError
 
-EXPECTED_ROWS = {"gsm8k": 100, "humaneval": 50, "math500": 50, "mbpp": 50, "mt_bench": 20}
+EXPECTED_ROWS = {"gsm8k": 100, "humaneval": 50, "math500": 50, "mbpp": 50, "mt_bench": 20, "code_edit": 60}
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 

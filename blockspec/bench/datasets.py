@@ -17,7 +17,7 @@ from pathlib import Path
 from blockspec.errors import BlockspecError
 
 #: Names of the bundled subsets (files ``blockspec/data/prompts/<name>.jsonl``).
-BUNDLED = ("gsm8k", "humaneval", "math500", "mbpp", "mt_bench")
+BUNDLED = ("gsm8k", "humaneval", "math500", "mbpp", "mt_bench", "code_edit")
 
 _PROMPT_PACKAGE = "blockspec.data.prompts"
 _TEXT_FIELDS = ("prompt", "question", "text")
