@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from blockspec.errors import BlockspecError
 
 
 def _process_umask() -> int:
@@ -59,3 +62,37 @@ def save_atomically(save_fn, directory: str | Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return directory
+
+
+def make_output_dir(path: str | Path, option: str = "--out") -> Path:
+    """Create an output directory (and its parents), or say in one line why nothing can be written there."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise BlockspecError(f"{option} {path} is a file, not a directory: choose another path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise BlockspecError(f"{option} {path}: cannot write there ({error.strerror or error}): "
+                             "choose a writable directory") from None
+    return path
+
+
+def incomplete_safetensors(directory: str | Path) -> list[Path]:
+    """The .safetensors files of ``directory`` whose size is not what their header says (cut short)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return [path for path in sorted(directory.glob("*.safetensors")) if not _safetensors_complete(path)]
+
+
+def _safetensors_complete(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            header_size = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(header_size))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        return path.stat().st_size == 8 + header_size + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False

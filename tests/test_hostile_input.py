@@ -221,3 +221,216 @@ def test_min_tokens_above_the_limit_is_a_400(served):
     url, target = served
     body = {"model": target.name, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}
     assert openai_error(post(url, "completions", body), 400)["param"] == "min_tokens"
+
+
+# -- the command line: one line of error, exit code 2 -------------------------------------------------------
+
+def cli_error(capsys, *argv) -> str:
+    from blockspec.cli import main
+
+    capsys.readouterr()
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(tiny_target_dir, capsys):
+    undecodable = b"\xff\xfe hi".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
+    assert "not UTF-8" in cli_error(capsys, "generate", "--target", str(tiny_target_dir), undecodable)
+    assert "not UTF-8" in cli_error(capsys, "dllm", "generate", "--model", str(tiny_target_dir), "--mask-token-id",
+                                    "3", undecodable)
+
+
+@pytest.mark.parametrize("command", [["generate", "--target", "TARGET"],
+                                     ["dllm", "generate", "--model", "TARGET", "--mask-token-id", "3"]])
+def test_standard_input_that_is_not_utf8_is_refused(tiny_target_dir, command):
+    import subprocess
+    import sys
+
+    argv = [str(tiny_target_dir) if part == "TARGET" else part for part in command]
+    result = subprocess.run([sys.executable, "-m", "blockspec.cli", *argv, "-"], input=b"\xff\xfe hi",
+                            capture_output=True, timeout=120)
+    assert result.returncode == 2 and b"Traceback" not in result.stderr
+    assert b"standard input is not UTF-8" in result.stderr
+
+
+def test_a_truncated_model_file_is_named(tiny_target_dir, tmp_path, capsys):
+    import shutil
+
+    damaged = shutil.copytree(tiny_target_dir, tmp_path / "damaged")
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    err = cli_error(capsys, "generate", "--target", str(damaged), "hi")
+    assert str(weights) in err and "incomplete or damaged" in err
+    assert "could not load" in cli_error(capsys, "dllm", "generate", "--model", str(damaged), "--mask-token-id", "3",
+                                         "hi")
+
+
+def test_a_device_this_machine_lacks_is_refused(tiny_target_dir, capsys):
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "CUDA is not available" in cli_error(capsys, "generate", "--target", str(tiny_target_dir),
+                                                    "--device", "cuda", "hi")
+    assert "not a device" in cli_error(capsys, "generate", "--target", str(tiny_target_dir), "--device", "gpu0", "hi")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-new-tokens", str(10**9)], "--max-new-tokens 1000000000 does not fit: the model's context is 512"),
+    (["--draft", "DRAFT", "--tree-budget", "100000"], "--tree-budget 100000 is too large"),
+    (["--method", "ngram", "--block-size", "100000"], "--block-size 100000 is too large"),
+])
+def test_generate_refuses_what_would_not_fit(tiny_target_dir, tiny_draft_dir, capsys, args, message):
+    args = [str(tiny_draft_dir) if a == "DRAFT" else a for a in args]
+    assert message in cli_error(capsys, "generate", "--target", str(tiny_target_dir), *args, "hi")
+
+
+def test_a_missing_target_directory_is_named(capsys):
+    for path in ("/no/such/model", "./no-such-model"):
+        assert f"the model directory {path} does not exist" in cli_error(capsys, "generate", "--target", path, "hi")
+
+
+def test_bench_lists_every_method_for_an_unknown_one(capsys):
+    err = cli_error(capsys, "bench", "--methods", "ar,foo")
+    assert "unknown benchmark method 'foo'" in err and "dflash" in err and "ngram" in err
+
+
+def test_an_empty_api_key_is_refused_from_the_option_or_the_environment(tiny_target_dir, capsys, monkeypatch):
+    assert "--api-key is empty" in cli_error(capsys, "serve", "--target", str(tiny_target_dir), "--api-key", "")
+    monkeypatch.setenv("BLOCKSPEC_API_KEY", " ")
+    assert "$BLOCKSPEC_API_KEY is empty" in cli_error(capsys, "serve", "--target", str(tiny_target_dir))
+
+
+def test_the_api_key_comes_from_the_environment(monkeypatch):
+    from blockspec.cli import build_parser
+    from blockspec.cli.serve import api_key_of
+
+    monkeypatch.setenv("BLOCKSPEC_API_KEY", "from-env")
+    assert api_key_of(build_parser().parse_args(["serve"])) == "from-env"
+    assert api_key_of(build_parser().parse_args(["serve", "--api-key", "given"])) == "given"
+    assert api_key_of(build_parser().parse_args(["loadtest"])) == "from-env"
+    monkeypatch.delenv("BLOCKSPEC_API_KEY")
+    assert api_key_of(build_parser().parse_args(["serve"])) is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--block-length", "0"], "block_length must be >= 1"),
+    (["--steps", "0"], "steps must be >= 1"),
+    (["--gen-length", "100000"], "gen_length 100000 does not fit"),
+])
+def test_dllm_generate_refuses_values_it_cannot_run(tiny_target_dir, capsys, args, message):
+    assert message in cli_error(capsys, "dllm", "generate", "--model", str(tiny_target_dir), "--mask-token-id", "3",
+                                *args, "hi")
+
+
+def test_an_empty_dllm_prompt_is_refused(tiny_target_dir, capsys):
+    assert "the prompt is empty" in cli_error(capsys, "dllm", "generate", "--model", str(tiny_target_dir),
+                                              "--mask-token-id", "3", "  ")
+
+
+def test_a_seed_out_of_range_is_an_argument_error(capsys):
+    from blockspec.cli import main
+
+    with pytest.raises(SystemExit) as raised:
+        main(["generate", "--seed", str(2**70), "hi"])
+    assert raised.value.code == 2 and "a seed must lie in" in capsys.readouterr().err
+
+
+# -- train-draft: values, the output directory, resuming ------------------------------------------------------
+
+def train_draft_args(tiny_target_dir, tmp_path, *extra) -> list[str]:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i} things"}) + "\n" for i in range(8)))
+    return ["train-draft", "--target", str(tiny_target_dir), "--data", str(data), "--max-new-tokens", "4",
+            "--held-out", "1", "--num-layers", "1", "--block-size", "4", *extra]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lr", "nan"], "lr must be a number > 0, got nan"),
+    (["--lr", "inf"], "lr must be a number > 0, got inf"),
+    (["--max-steps", "-1"], "max_steps must be >= 1"),
+    (["--max-steps", "0"], "max_steps must be >= 1"),
+    (["--keep-last", "-1"], "keep_checkpoints must be a number >= 0"),
+    (["--seed", "99999999999"], "seed must lie in [0, 2147483647]"),
+])
+def test_train_draft_refuses_settings_that_cannot_train(tiny_target_dir, tmp_path, capsys, args, message):
+    assert message in cli_error(capsys, *train_draft_args(tiny_target_dir, tmp_path, "--out", str(tmp_path / "o"),
+                                                          *args))
+
+
+def test_train_draft_refuses_an_output_directory_it_cannot_write(tiny_target_dir, tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    args = train_draft_args(tiny_target_dir, tmp_path)
+    assert "is a file, not a directory" in cli_error(capsys, *args, "--out", str(a_file))
+    assert "cannot write there (Not a directory)" in cli_error(capsys, *args, "--out", str(a_file / "sub"))
+    for system in ("/proc/blockspec-out", "/sys/blockspec-out"):
+        if __import__("os").path.isdir(system.rsplit("/", 1)[0]):
+            assert "cannot write there" in cli_error(capsys, *args, "--out", system)
+
+
+@pytest.fixture
+def four_steps(learned_target, training_data, tmp_path):
+    """A run stopped after step 4, with checkpoints at steps 2 and 4."""
+    from blockspec.training.trainer import Trainer
+    from helpers import small_config
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    config = small_config(tmp_path, max_steps=8, save_every=2)
+    Trainer(config, target, samples).run(until_step=4)
+    return lambda: Trainer(config, target, samples, resume=True)
+
+
+@pytest.mark.parametrize("damage,said", [
+    (lambda c: (c / "latest").write_text("step-0000009"), "'latest' names 'step-0000009', which is not there"),
+    (lambda c: (c / "latest").write_bytes(b"\x00\xff garbage\n../../etc"), "which is not there"),
+    (lambda c: (c / "step-0000004" / "trainer_state.pt").write_bytes(b"PK\x03\x04 cut"), "does not load"),
+    (lambda c: (c / "step-0000004" / "trainer_state.pt").write_bytes(b""), "does not load"),
+    (lambda c: (c / "step-0000004" / "trainer_state.pt").unlink(), "trainer_state.pt is missing"),
+    (lambda c: (c / "step-0000004" / "model.safetensors").write_bytes(b"cut"), "its model does not load"),
+], ids=["latest-missing", "latest-garbage", "state-truncated", "state-empty", "state-missing", "weights-cut"])
+def test_resume_takes_the_newest_complete_checkpoint_and_says_so(four_steps, tmp_path, capsys, damage, said):
+    damage(tmp_path / "checkpoints")
+    capsys.readouterr()
+    trainer = four_steps()
+    err = capsys.readouterr().err
+    expected_step = 4 if "latest" in said or "not there" in said else 2
+    assert trainer.state.step == expected_step
+    assert f"resuming from step-{expected_step:07d}, the newest complete checkpoint" in err and said in err
+
+
+def test_resume_refuses_when_no_checkpoint_loads(four_steps, tmp_path):
+    from blockspec.errors import BlockspecError
+
+    for state in (tmp_path / "checkpoints").glob("step-*/trainer_state.pt"):
+        state.write_bytes(b"")
+    with pytest.raises(BlockspecError, match="no checkpoint in .* loads .*step-0000004.*step-0000002"):
+        four_steps()
+
+
+def test_resume_with_no_checkpoint_says_it_starts_at_step_0(learned_target, training_data, tmp_path, capsys):
+    from blockspec.training.trainer import Trainer
+    from helpers import small_config
+
+    target, _, _ = learned_target
+    trainer = Trainer(small_config(tmp_path / "new", max_steps=2), target, training_data[0], resume=True)
+    assert trainer.state.step == 0 and "no checkpoint" in capsys.readouterr().err
+
+
+def test_staging_left_by_a_kill_is_removed_and_old_checkpoints_pruned(learned_target, training_data, tmp_path):
+    from blockspec.training.trainer import Trainer
+    from helpers import small_config
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / ".step-0000007.x1y2").mkdir(parents=True)
+    (checkpoints / ".step-0000007.x1y2" / "model.safetensors").write_bytes(b"0" * 1000)
+    (tmp_path / ".draft.abc").mkdir()
+    trainer = Trainer(small_config(tmp_path, max_steps=5, save_every=1, keep_checkpoints=2), target, samples)
+    assert sorted(p.name for p in checkpoints.iterdir()) == []
+    assert not (tmp_path / ".draft.abc").exists()
+    trainer.run()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-0000004", "step-0000005"]

@@ -13,6 +13,7 @@ from blockspec.cli.demo import add_demo_command
 from blockspec.cli.dllm import add_dllm_command
 from blockspec.cli.generate import add_generate_command
 from blockspec.cli.models import add_models_command
+from blockspec.cli.options import check_device
 from blockspec.cli.serve import add_loadtest_command, add_serve_command
 from blockspec.cli.train import add_train_draft_command
 from blockspec.errors import BlockspecError
@@ -29,13 +30,40 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_device(getattr(args, "device", None))
         return args.run(args) or 0
     except BlockspecError as error:
-        print(f"blockspec: error: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error), 2)
     except KeyboardInterrupt:
         print("blockspec: interrupted", file=sys.stderr)
         return 130
+    except OSError as error:  # the file system or the network refused: say what, and where
+        return fail(str(error), 1)
+    except Exception as error:
+        if not is_damaged_weights(error):
+            raise
+        return fail(damaged_weights_message(error, args), 2)
+
+
+def fail(message: str, code: int) -> int:
+    print(f"blockspec: error: {message}", file=sys.stderr)
+    return code
+
+
+def is_damaged_weights(error: Exception) -> bool:
+    """A safetensors file that does not parse (cut short by an interrupted download or copy)."""
+    return type(error).__name__ == "SafetensorError"
+
+
+def damaged_weights_message(error: Exception, args) -> str:
+    """Which of the command's model directories holds the damaged file, if one can be named."""
+    from blockspec.io import incomplete_safetensors
+
+    for option in ("target", "draft", "model", "init", "assistant"):
+        value = getattr(args, option, None)
+        for path in incomplete_safetensors(value) if isinstance(value, str) else []:
+            return f"{path} is incomplete or damaged ({error}): download or save the --{option} model again"
+    return f"a model file is incomplete or damaged ({error}): download or save the model again"
 
 
 def build_parser() -> argparse.ArgumentParser:

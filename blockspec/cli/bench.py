@@ -6,8 +6,9 @@ import sys
 import time
 from pathlib import Path
 
-from blockspec.cli.options import COMPILE_CHOICES, block_size_arg
+from blockspec.cli.options import COMPILE_CHOICES, block_size_arg, seed_arg
 from blockspec.drafters.registry import DRAFT_METHODS, DRAFTED_METHODS
+from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
 
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt_bench")
@@ -69,7 +70,7 @@ def add_prompts_group(data) -> None:
                       help="read the full sets from a directory laid out like the offline copies, or 'hub' "
                            "to load them by hub name (default: the subsets bundled in the package)")
     data.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="prompts per dataset")
-    data.add_argument("--seed", type=int, default=None,
+    data.add_argument("--seed", type=seed_arg, default=None,
                       help="choose the prompts at random with this seed (default: the first ones); "
                            "also seeds sampling")
     data.add_argument("--max-turns", type=int, default=None, help="turns of a multi-turn prompt to decode")
@@ -97,6 +98,7 @@ def run_bench_command(args) -> int:
     from blockspec.bench.runner import run_benchmark
     from blockspec.bench.setup import load_methods, load_prompts
 
+    check_method_names(args.methods)
     config = bench_config(args)
     prompts = load_prompts(args.datasets, args.data_dir, args.num_prompts, args.seed)
     target, methods = load_methods(args.target, args.methods, args.draft, args.assistant, device=args.device,
@@ -112,6 +114,17 @@ def run_bench_command(args) -> int:
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)
     return exit_code(run, len(methods), out)
+
+
+def check_method_names(value: str | None) -> None:
+    """Refuse an unknown --methods name before anything loads, listing every method there is."""
+    from blockspec.bench.methods import BASELINES, parse_method_name
+
+    known = [*BASELINES, "hf-assisted", *DRAFT_METHODS]
+    for name in [part.strip() for part in (value or "").split(",") if part.strip()]:
+        if parse_method_name(name).base not in known:
+            raise BlockspecError(f"unknown benchmark method {name!r}: choose from {', '.join(known)} (a drafter also "
+                                 "as METHOD@WIDTH, METHOD@tN or dflash/dK)")
 
 
 def bench_config(args):

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from blockspec.cli.options import add_keep_last_option, keep_last_given, read_prompt, seed_arg
 from blockspec.dllm.canvas import MASK_GLYPH, committed_text, render_canvas
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
@@ -48,8 +49,9 @@ def add_train_parser(actions) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None,
                         help="the mask token (default: the tokenizer's mask token or a spare special token)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (0: only at the end)")
+    add_keep_last_option(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: where the model loads, cpu)")
     parser.set_defaults(run=run_train)
 
@@ -63,7 +65,7 @@ def run_train(args: argparse.Namespace) -> int:
     config = DiffusionTrainConfig(
         out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, max_length=args.max_length,
         attention=args.attention, block_size=args.block_size, shifted=args.shifted, sft=args.sft,
-        mask_token_id=args.mask_token_id, seed=args.seed, save_every=args.save_every)
+        mask_token_id=args.mask_token_id, seed=args.seed, save_every=args.save_every, **keep_last_given(args))
     try:
         path, state = adapt(args.init, args.files, config, resume=args.resume, device=args.device)
     except KeyboardInterrupt:
@@ -98,7 +100,7 @@ def add_sampler_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=seed_arg, default=None)
 
 
 def sampler_config(args):
@@ -142,7 +144,9 @@ def run_generate(args) -> int:
     from blockspec.dllm.generate import diffusion_generate
     from blockspec.dllm.model import load_diffusion_model
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
+    if not prompt.strip():
+        raise BlockspecError("the prompt is empty: give some text to answer")
     config = sampler_config(args)
     model, tokenizer = load_diffusion_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device,
                                             dtype=args.dtype, mask_token_id=args.mask_token_id)
@@ -193,7 +197,7 @@ def add_bench_parser(commands) -> None:
     parser.add_argument("--ar-target", default=DEFAULT_TARGET,
                         help="the AR model to compare with on the same prompts "
                              f"('none' to skip; default {DEFAULT_TARGET})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument("--out", default="runs/dllm-bench",
                         help="where summary.json, samples.jsonl and the plot go (rewritten after every setting)")
     parser.add_argument("--resume", action="store_true",

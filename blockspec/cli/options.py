@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from blockspec.drafters.registry import AUTOREGRESSIVE, DRAFT_METHODS
+from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
+
+#: Tokens `generate` decodes at most when --max-new-tokens is not given.
+DEFAULT_MAX_NEW_TOKENS = 256
 
 #: --compile values (blockspec.decoding.sequence.COMPILE_CHOICES; not imported: it loads torch).
 COMPILE_CHOICES = ("auto", "on", "off")
@@ -64,7 +69,9 @@ def tree_top_k_given(args) -> dict:
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS}, lowered to what the "
+                             "model's context leaves; a larger number than it leaves is an error)")
     parser.add_argument("--block-size", type=block_size_arg, default=None,
                         help="verify width: the last token + block_size-1 drafts, or 'auto' (chosen each step by "
                              "the cost model from the draft's confidence) (default: auto for a dflash chain, "
@@ -76,7 +83,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=seed_arg, default=None)
     parser.add_argument("--draft-sampling", choices=["sample", "greedy"], default="sample",
                         help="at temperature > 0: sample drafts and rejection-sample with q (default), "
                              "or draft greedily and accept with probability p(draft)")
@@ -96,3 +103,73 @@ def layer_list(text: str) -> list[int]:
     if not layers or any(layer < 0 for layer in layers):
         raise argparse.ArgumentTypeError(f"expected layer numbers >= 0 separated by commas, got {text!r}")
     return layers
+
+
+def seed_arg(value: str) -> int:
+    """--seed: a whole number a torch generator takes (64 bits, signed or not)."""
+    seed_min, seed_max = -(2**63), 2**64 - 1
+    try:
+        seed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if not seed_min <= seed <= seed_max:
+        raise argparse.ArgumentTypeError(f"a seed must lie in [-2**63, 2**64 - 1], got {value}")
+    return seed
+
+
+def read_prompt(value: str) -> str:
+    """The prompt argument as text: '-' reads standard input. Either must be UTF-8."""
+    if value != "-":
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:  # bytes the locale could not decode arrive as lone surrogates
+            raise BlockspecError(f"the prompt is not UTF-8 text (it holds the byte {_escaped_byte(value[error.start])} "
+                                 f"at character {error.start}): give it in UTF-8") from None
+        return value
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:
+        return sys.stdin.read()
+    data = stream.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BlockspecError(f"standard input is not UTF-8 text (byte {data[error.start]:#04x} at offset "
+                             f"{error.start}): give the prompt in UTF-8") from None
+
+
+def _escaped_byte(char: str) -> str:
+    code = ord(char)
+    return f"{code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a --device this machine does not have, before anything loads onto it."""
+    if not device:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise BlockspecError(f"--device {device!r} is not a device: give cpu, cuda, cuda:N or mps") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise BlockspecError(f"--device {device}: CUDA is not available on this machine (no GPU, or a torch built "
+                             "without CUDA): use --device cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise BlockspecError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise BlockspecError(f"--device {device}: MPS is not available on this machine: use --device cpu")
+    if parsed.type not in ("cpu", "cuda", "mps"):
+        raise BlockspecError(f"--device {device}: blockspec runs on cpu, cuda or mps")
+
+
+def add_keep_last_option(parser: argparse.ArgumentParser) -> None:
+    # None leaves the count to the trainer's config (its default, 3, lives with the training code, which imports torch).
+    parser.add_argument("--keep-last", type=int, default=None, metavar="N",
+                        help="checkpoints kept on disk, the newest N (default 3; 0 keeps them all)")
+
+
+def keep_last_given(args) -> dict:
+    """``{"keep_checkpoints": N}`` when --keep-last was given, else nothing (the trainer's default applies)."""
+    return {} if args.keep_last is None else {"keep_checkpoints": args.keep_last}

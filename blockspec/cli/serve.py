@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from blockspec.cli.generate import load_models
 from blockspec.cli.options import add_model_options, add_tree_top_k_option, block_size_arg, tree_top_k_given
 from blockspec.errors import BlockspecError
+
+#: The environment variable that gives the API key (serve) or the key to send (loadtest).
+API_KEY_VARIABLE = "BLOCKSPEC_API_KEY"
 
 
 def add_serve_command(commands) -> None:
@@ -27,7 +31,9 @@ def add_serve_command(commands) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests in flight (waiting + decoding) before new ones get 503 (default 64)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 endpoints (default: ${API_KEY_VARIABLE} "
+                             "if set; the variable keeps the key out of the process list)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(run=run_serve)
 
@@ -36,24 +42,37 @@ def run_serve(args) -> int:
     import uvicorn
 
     from blockspec.decoding.sequence import GenerationConfig
-    from blockspec.serve.app import create_app
+    from blockspec.serve.app import check_decoding, create_app
 
     if not 0 < args.port < 65536:
         raise BlockspecError(f"--port must be 1..65535, got {args.port}")
+    api_key = api_key_of(args)
     decoding = decoding_options(args)
     GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
     target, drafter = load_models(args)
+    check_decoding(target.model, drafter, decoding)
     if decoding.per_sequence:  # compiled graphs (if any) for requests of up to 512 positions, ahead of the first
         from blockspec.decoding.generate import warm_up_fast_path
 
         warm_up_fast_path(target.model, drafter, GenerationConfig(**decoding.config_fields()), 256)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                     api_key=args.api_key, decoding=decoding)
+                     api_key=api_key, decoding=decoding)
     how = "one request at a time" if decoding.per_sequence else f"batches of up to {args.max_batch_size}"
     print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, {how}) at "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def api_key_of(args) -> str | None:
+    """--api-key, else $BLOCKSPEC_API_KEY; an empty key is refused rather than read as none."""
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    else:
+        key, source = os.environ.get(API_KEY_VARIABLE), f"${API_KEY_VARIABLE}"
+    if key is not None and not key.strip():
+        raise BlockspecError(f"{source} is empty: give a key, or leave it out to serve without one")
+    return key
 
 
 def decoding_options(args):
@@ -76,7 +95,7 @@ def add_loadtest_command(commands) -> None:
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature of the requests (default: the server's, 1.0; 0 is greedy)")
     parser.add_argument("--model", default=None, help="model id to request (default: the one the server lists)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help=f"the server's key (default: ${API_KEY_VARIABLE} if set)")
     parser.add_argument("--timeout", type=float, default=300.0, help="time limit for the whole run in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run_loadtest)
@@ -92,7 +111,7 @@ def run_loadtest(args) -> int:
 
         prompt = [row["turns"][0] for row in load_benchmark_prompts(args.dataset, num_prompts=args.requests)]
     report = load(args.url, concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
-                  prompt=prompt, timeout=args.timeout, model=args.model, api_key=args.api_key,
+                  prompt=prompt, timeout=args.timeout, model=args.model, api_key=api_key_of(args),
                   temperature=args.temperature)
     print_report(report, args.json)
     return 0 if report.errors == 0 else 1

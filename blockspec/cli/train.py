@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from blockspec.cli.options import layer_list
+from blockspec.cli.options import add_keep_last_option, keep_last_given, layer_list, seed_arg
 from blockspec.drafters.registry import DRAFTED_METHODS
 
 
@@ -74,7 +74,7 @@ def add_train_draft_command(commands) -> None:
     optim.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                        help="auto: bf16 autocast on CUDA, fp32 on CPU; bf16 forces autocast "
                             "(worth it on CPUs with bf16 units)")
-    optim.add_argument("--seed", type=int, default=0)
+    optim.add_argument("--seed", type=seed_arg, default=0)
     optim.add_argument("--feature-cache", dest="feature_cache_dir", default=None, metavar="DIR",
                        help="keep the target's context features on disk in DIR instead of in memory (length x "
                             "target layers x hidden size values per sequence: 1.8 MB for 512 tokens of SmolLM2 "
@@ -82,6 +82,7 @@ def add_train_draft_command(commands) -> None:
     optim.add_argument("--no-feature-cache", dest="cache_features", action="store_false",
                        help="recompute the target's features every step instead of keeping them")
     optim.add_argument("--save-every", type=int, default=200)
+    add_keep_last_option(optim)
     optim.add_argument("--eval-every", type=int, default=0)
     parser.set_defaults(run=run_train_draft)
 
@@ -111,6 +112,6 @@ def config_from_args(args):
 
 
 def config_of(config_class, args):
-    values = vars(args)
+    values = {**vars(args), **keep_last_given(args)}
     return config_class(**{field.name: values[field.name] for field in dataclasses.fields(config_class)
                            if field.name in values})

@@ -70,6 +70,10 @@ class DiffusionConfig:
     def __post_init__(self):
         if self.gen_length < 1:
             raise BlockspecError(f"gen_length must be >= 1, got {self.gen_length}")
+        if self.block_length is not None and self.block_length < 1:
+            raise BlockspecError(f"block_length must be >= 1 (or None: one block), got {self.block_length}")
+        if self.steps is not None and self.steps < 1:
+            raise BlockspecError(f"steps must be >= 1 (or None: one per answer token), got {self.steps}")
         if self.cache not in CACHE_MODES:
             raise BlockspecError(f"unknown cache {self.cache!r}: choose one of {', '.join(CACHE_MODES)}")
         if self.attention not in (None, BIDIRECTIONAL, BLOCK_CAUSAL):
@@ -213,6 +217,7 @@ class DiffusionStream:
         self.mask_id = int(model.mask_token_id)
         self.stop_ids = set(eos_token_ids) | set(config.stop_token_ids)
         self.layout = make_layout(model, config, max(len(p) for p in prompts))
+        _check_context(model, self.layout)
         self.sampling = SamplingConfig(config.temperature, config.top_p, config.top_k)
         self.generator = torch.Generator().manual_seed(config.seed if config.seed is not None else 0)
         if config.seed is None:
@@ -437,6 +442,16 @@ class DiffusionStream:
         if shift:  # the block's first token is predicted from the last clean position before it
             logits = torch.cat([self.head_logits, logits], dim=1)
         return logits
+
+def _check_context(model, layout: Layout) -> None:
+    """The prompt and the whole answer are one canvas: it must fit the model's positions."""
+    config = getattr(getattr(model, "model", None), "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and layout.prompt_length + layout.gen_length > context:
+        raise BlockspecError(f"gen_length {layout.gen_length} does not fit: the model's context is {context} tokens "
+                             f"and the prompt has {layout.prompt_length}, so at most "
+                             f"{max(context - layout.prompt_length, 0)} can be generated")
+
 
 def diffusion_generate(model, prompts: list[list[int]], config: DiffusionConfig | None = None,
                        eos_token_ids: tuple[int, ...] = ()) -> DiffusionStream:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import SafetensorError
 from transformers import DynamicCache
 
 from blockspec.errors import BlockspecError
@@ -216,7 +217,7 @@ def load_diffusion_model(path: str, *, trust_remote_code: bool = False, device: 
             model = AutoModel.from_pretrained(directory, dtype=torch_dtype, trust_remote_code=True)
         else:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:
         raise BlockspecError(f"could not load the diffusion model from {directory}: {error}") from error
     model.to(dev).eval().requires_grad_(False)
     if remote:

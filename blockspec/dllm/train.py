@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 
 from blockspec.dllm.model import (
     ATTENTION_MODES,
@@ -55,10 +56,19 @@ from blockspec.dllm.model import (
     diffusion_settings,
 )
 from blockspec.errors import BlockspecError
+from blockspec.io import make_output_dir
 from blockspec.models.checkpoint import load_pretrained_strict
 from blockspec.tokens import encode_prompt, pick_mask_token, response_end_id
-from blockspec.training.checkpoints import latest_checkpoint
-from blockspec.training.loop import SampleOrder, StepResult, TrainingLoop, TrainState
+from blockspec.training.checkpoints import KEEP_CHECKPOINTS, saved_checkpoints
+from blockspec.training.loop import (
+    SampleOrder,
+    StepResult,
+    TrainingLoop,
+    TrainState,
+    check_at_least,
+    check_positive,
+    check_seed,
+)
 from blockspec.training.prompts import load_prompts
 from blockspec.training.responses import given_response_ids
 from blockspec.training.samples import TrainingSample, load_samples, make_sample, pad_batch
@@ -285,7 +295,7 @@ class DiffusionTrainConfig:
     seed: int = 0
     save_every: int = 50
     #: checkpoints kept on disk (the newest ones); 0 keeps all.
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = KEEP_CHECKPOINTS
     progress: bool = True
 
     def __post_init__(self):
@@ -294,8 +304,9 @@ class DiffusionTrainConfig:
                 raise BlockspecError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_length < 2:
             raise BlockspecError(f"max_length must be >= 2 tokens, got {self.max_length}")
-        if self.lr <= 0:
-            raise BlockspecError(f"lr must be > 0, got {self.lr}")
+        check_positive(lr=self.lr, grad_clip=self.grad_clip)
+        check_at_least(0, weight_decay=self.weight_decay, warmup_ratio=self.warmup_ratio)
+        check_seed(self.seed)
         if not 0 < self.eps < 1:
             raise BlockspecError(f"eps must lie in (0, 1), got {self.eps}")
         if self.attention not in ATTENTION_MODES:
@@ -323,7 +334,7 @@ class DiffusionTrainer(TrainingLoop):
         self.order = SampleOrder(len(samples), config.seed)
         if resume:
             self._resume_latest()
-        elif latest_checkpoint(self.out) is not None:
+        elif saved_checkpoints(self.out):
             raise BlockspecError(f"{self.out} holds the checkpoints of a run: pass --resume to continue it, "
                                  "or choose another --out")
 
@@ -396,6 +407,7 @@ def adapt(init: str, files, config: DiffusionTrainConfig, *, resume: bool = Fals
 
     from blockspec.models.target import resolve_path
 
+    make_output_dir(config.out)
     path = resolve_path(str(init))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -404,7 +416,7 @@ def adapt(init: str, files, config: DiffusionTrainConfig, *, resume: bool = Fals
     samples = load_training_samples(files, tokenizer, max_length=config.max_length)  # bad data fails fast
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:
         raise BlockspecError(f"could not load the model to adapt from {path}: {error}") from error
     if device:
         model.to(device)

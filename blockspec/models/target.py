@@ -114,6 +114,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def _check_model_dir(path: str) -> None:
     directory = Path(path)
     if not directory.exists():
+        if _names_a_directory(path):
+            raise BlockspecError(f"the model directory {path} does not exist: check the path, or give a known name "
+                                 "(`blockspec models` lists them)")
         return  # a hub name; transformers reports what is wrong with it
     config = directory / "config.json"
     if not config.is_file():
@@ -122,3 +125,8 @@ def _check_model_dir(path: str) -> None:
         json.loads(config.read_text())
     except json.JSONDecodeError as error:
         raise BlockspecError(f"{config} is not valid JSON ({error}): re-save the model") from error
+
+
+def _names_a_directory(path: str) -> bool:
+    """Whether ``path`` can only be a directory, not a hub name (namespace/name: one slash, no leading dot)."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path

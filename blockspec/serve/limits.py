@@ -32,9 +32,9 @@ VERIFY_MEMORY_SHARE = 0.5
 def usable_sampling(temperature: float, top_p: float, top_k: int) -> tuple[float, float, int]:
     """(temperature, top_p, top_k) as the sampler can run them: a temperature below ``MIN_TEMPERATURE``
     is greedy, a top_p below ``MIN_TOP_P`` keeps the most probable token alone (top_k 1)."""
-    if temperature < MIN_TEMPERATURE:
+    if 0 < temperature < MIN_TEMPERATURE:
         return 0.0, top_p, top_k
-    if top_p < MIN_TOP_P:
+    if 0 < top_p < MIN_TOP_P:
         return temperature, 1.0, 1
     return temperature, top_p, top_k
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -20,14 +21,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from blockspec.errors import BlockspecError, CheckpointError
 from blockspec.io import save_atomically
 from blockspec.training.checkpoints import (
+    KEEP_CHECKPOINTS,
     checkpoint_dir,
-    latest_checkpoint,
+    first_line_of,
+    latest_name,
     load_training_state,
     prune_checkpoints,
+    remove_staging,
     restore_training_state,
     save_training_state,
+    saved_checkpoints,
     write_checkpoint,
 )
 from blockspec.training.distributed import barrier
@@ -51,6 +57,29 @@ class StepResult:
     loss: float
     accuracy: float | None = None
     tokens: int = 0
+
+
+#: Training seeds: the trainers derive a generator seed per step from them, within 64 bits.
+MAX_TRAINING_SEED = 2**31 - 1
+
+
+def check_positive(**values) -> None:
+    """Refuse settings that must be finite and > 0 (None: not set)."""
+    for name, value in values.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise BlockspecError(f"{name} must be a number > 0, got {value}")
+
+
+def check_at_least(minimum: float, **values) -> None:
+    """Refuse settings that must be finite and >= ``minimum``."""
+    for name, value in values.items():
+        if not (math.isfinite(value) and value >= minimum):
+            raise BlockspecError(f"{name} must be a number >= {minimum}, got {value}")
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_TRAINING_SEED:
+        raise BlockspecError(f"seed must lie in [0, {MAX_TRAINING_SEED}], got {seed}")
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float):
@@ -139,7 +168,7 @@ class TrainingLoop:
     final_dir_name = "model"
 
     def __init__(self, *, out, model, config, state: TrainState, total_steps: int, lr: float, weight_decay: float,
-                 warmup_ratio: float, grad_clip: float, save_every: int, keep_checkpoints: int = 0,
+                 warmup_ratio: float, grad_clip: float, save_every: int, keep_checkpoints: int = KEEP_CHECKPOINTS,
                  progress: bool = True, rank: int = 0):
         self.out, self.model, self.config, self.state = Path(out), model, config, state
         self.total_steps, self.grad_clip, self.rank = total_steps, grad_clip, rank
@@ -151,6 +180,8 @@ class TrainingLoop:
         self.guard = InterruptGuard()
         self._saved_step: int | None = None
         self._step_started = time.perf_counter()
+        if rank == 0:
+            remove_staging(self.out, self.final_dir_name)
 
     # --- the loop -------------------------------------------------------------------
 
@@ -242,17 +273,51 @@ class TrainingLoop:
     # --- resume ---------------------------------------------------------------------
 
     def _resume_latest(self) -> bool:
-        """Continue from the newest checkpoint of ``out``, if there is one; whether there was."""
-        directory = latest_checkpoint(self.out)
-        if directory is None:
+        """Continue from the newest checkpoint of ``out`` that loads; whether there was one. Saying which,
+        when it is not the one ``latest`` names; refusing, with the reasons, when none loads."""
+        found = saved_checkpoints(self.out)
+        if not found:
+            self._say(f"--resume: no checkpoint in {self.out / 'checkpoints'} yet: starting at step 0")
             return False
+        problems = []
+        for directory in found:
+            try:
+                saved, weights = self._read_checkpoint(directory)
+            except CheckpointError as error:
+                problems.append(f"{directory.name}: {error}")
+                continue
+            self._check_resumable(saved["config"], directory)
+            self.model.load_state_dict(weights)
+            restore_training_state(saved, optimizer=self.optimizer, scheduler=self.scheduler)
+            self.state = type(self.state)(**saved["state"])
+            self._saved_step = self.state.step
+            if problems or latest_name(self.out) != directory.name:
+                self._say(f"resuming from {directory.name}, the newest complete checkpoint ({self._skipped(problems)})")
+            return True
+        raise BlockspecError(f"--resume: no checkpoint in {self.out / 'checkpoints'} loads ({'; '.join(problems)}): "
+                             "remove the broken ones, or start the run again in another --out")
+
+    def _read_checkpoint(self, directory: Path) -> tuple[dict, dict]:
+        """The saved training state and model weights of a checkpoint; a CheckpointError if either does not load."""
         saved = load_training_state(directory)
-        self._check_resumable(saved["config"], directory)
-        self.model.load_state_dict(self._saved_weights(directory))
-        restore_training_state(saved, optimizer=self.optimizer, scheduler=self.scheduler)
-        self.state = type(self.state)(**saved["state"])
-        self._saved_step = self.state.step
-        return True
+        try:
+            return saved, self._saved_weights(directory)
+        except Exception as error:  # noqa: BLE001 - a damaged checkpoint fails to load in many ways
+            raise CheckpointError(f"its model does not load ({first_line_of(error)})") from None
+
+    def _skipped(self, problems: list[str]) -> str:
+        latest = latest_name(self.out)
+        if latest is None:
+            said = "there is no 'latest' file"
+        elif latest not in {p.name for p in saved_checkpoints(self.out)}:
+            said = f"'latest' names {latest!r}, which is not there"
+        else:
+            said = f"'latest' names {latest!r}"
+        return "; ".join([said, *problems])
+
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"blockspec: {message}", file=sys.stderr, flush=True)
 
     def _check_resumable(self, saved_config: dict, directory: Path) -> None:
         pass

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from blockspec.errors import BlockspecError
+from blockspec.io import make_output_dir
 from blockspec.tokens import encode_prompt
 from blockspec.training.distributed import barrier, init_distributed_from_env, rank_and_world_size
 from blockspec.training.prompts import load_prompts
@@ -32,6 +34,17 @@ class DataConfig:
     held_out: int = 4
     seed: int = 0
     use_chat_template: bool = True
+
+    def __post_init__(self):
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise BlockspecError(f"num_prompts must be >= 1 (leave it out for all), got {self.num_prompts}")
+        for name in ("max_new_tokens", "generation_batch_size"):
+            if getattr(self, name) < 1:
+                raise BlockspecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.held_out < 0:
+            raise BlockspecError(f"held_out must be >= 0, got {self.held_out}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise BlockspecError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
 
 
 def prepare_samples(target, data: DataConfig, out: Path, max_length: int, rank: int = 0):
@@ -89,8 +102,8 @@ def train_draft(target_name: str, data: DataConfig, config: TrainConfig, *, resu
 
     init_distributed_from_env()
     rank, _ = rank_and_world_size()
+    out = make_output_dir(config.out)
     target = load_target(target_name, device=device, dtype="float32")
-    out = Path(config.out)
     samples, eval_prompts = prepare_samples(target, data, out, config.max_length, rank)
     _say(rank, f"{len(samples)} training sequences, {sum(s.num_response_tokens for s in samples)} response tokens")
     trainer = Trainer(config, target, samples, eval_prompts, resume=resume)

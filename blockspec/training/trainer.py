@@ -25,10 +25,19 @@ import torch
 from blockspec.decoding.generate import GenerationConfig, speculative_generate
 from blockspec.errors import BlockspecError
 from blockspec.training.anchors import default_gamma
+from blockspec.training.checkpoints import KEEP_CHECKPOINTS
 from blockspec.training.distributed import rank_and_world_size
 from blockspec.training.feature_store import FeatureStore, target_fingerprint
 from blockspec.training.features import FeatureSource
-from blockspec.training.loop import SampleOrder, StepResult, TrainingLoop, TrainState
+from blockspec.training.loop import (
+    SampleOrder,
+    StepResult,
+    TrainingLoop,
+    TrainState,
+    check_at_least,
+    check_positive,
+    check_seed,
+)
 from blockspec.training.memory import available_memory
 from blockspec.training.methods import TRAINABLE_METHODS, Batch, training_method
 from blockspec.training.samples import pad_batch
@@ -84,6 +93,8 @@ class TrainConfig:
     precision: str = "auto"
     # bookkeeping
     save_every: int = 200
+    #: checkpoints kept on disk, the newest (0 keeps all)
+    keep_checkpoints: int = KEEP_CHECKPOINTS
     eval_every: int = 0
     eval_prompts: int = 4
     eval_max_new_tokens: int = 64
@@ -97,8 +108,13 @@ class TrainConfig:
         for name in ("num_layers", "batch_size", "grad_accum", "anchors_per_sequence", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise BlockspecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.epochs <= 0:
-            raise BlockspecError("lr and epochs must be > 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise BlockspecError(f"max_steps must be >= 1 (leave it out to train for --epochs), got {self.max_steps}")
+        check_positive(lr=self.lr, epochs=self.epochs, grad_clip=self.grad_clip, gamma=self.gamma,
+                       step_decay=self.step_decay)
+        check_at_least(0, weight_decay=self.weight_decay, warmup_ratio=self.warmup_ratio, save_every=self.save_every,
+                       eval_every=self.eval_every, keep_checkpoints=self.keep_checkpoints)
+        check_seed(self.seed)
         if self.feature_cache_dir and not self.cache_features:
             raise BlockspecError("a feature cache directory was given with feature caching off: drop one of "
                                  "--feature-cache and --no-feature-cache")
@@ -142,8 +158,8 @@ class Trainer(TrainingLoop):
             config.epochs * len(samples) / (config.batch_size * config.grad_accum * self.world)))
         super().__init__(out=config.out, model=model, config=config, state=DrafterTrainState(),
                          total_steps=total_steps, lr=config.lr, weight_decay=config.weight_decay,
-                         warmup_ratio=config.warmup_ratio, grad_clip=config.grad_clip,
-                         save_every=config.save_every, progress=config.progress, rank=rank)
+                         warmup_ratio=config.warmup_ratio, grad_clip=config.grad_clip, save_every=config.save_every,
+                         keep_checkpoints=config.keep_checkpoints, progress=config.progress, rank=rank)
         resumed = resume and self._resume_latest()
         if config.init_from and not resumed:  # a checkpoint of this run supersedes the starting weights
             self._load_weights_from(config.init_from)
