@@ -141,9 +141,11 @@ class DFlashDrafter(PositionwiseDrafter):
         just before ``start``, appended to the cache (None: attend the cache as it is)."""
         context_positions = None if context is None else \
             position_ids(start - context.shape[1], context.shape[1], self.device)
-        hidden = self.model(self.embed_tokens(block_ids), position_ids(start, block_ids.shape[1], self.device),
+        hidden = self.model(self.model.embed_block(self.embed_tokens, block_ids),
+                            position_ids(start, block_ids.shape[1], self.device),
                             context, context_positions, cache)
-        return self.lm_head(hidden[0, 1:]).float()
+        logits = self.lm_head(hidden[0, 1:]).float()
+        return logits if self.model.logit_scale == 1.0 else logits * self.model.logit_scale
 
 
 def build(directory, target, *, sample_drafts: bool = True, denoise_steps: int = 1,

@@ -9,13 +9,20 @@ target's embedding matrix and LM head are used as they are (passed in, never cop
 Checkpoints use the layout of the public DFlash drafts (``save_pretrained``): a qwen3
 ``config.json`` with ``architectures: ["DFlashDraftModel"]``, ``num_target_layers`` and a
 ``dflash_config`` dict, and weights ``layers.N.*``, ``fc.weight``, ``hidden_norm.weight``,
-``norm.weight``.
+``norm.weight``. Every config key the public drafts use (and vLLM's DFlash loader honours) is
+read: per-layer sliding windows and causality, attention sinks, the target's width, the rotary
+layout, a separate mask embedding, a logit scale; what cannot be honoured is refused by name.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -31,6 +38,13 @@ from blockspec.io import save_atomically
 from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_weights
 
 DEFAULT_BLOCK_SIZE = 16
+SLIDING = "sliding_attention"
+#: A mask embedding shipped beside the weights (vLLM's name): it replaces the mask token's embedding row.
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+#: Weights some drafts ship that blockspec cannot use (it drafts over the target's own embedding and head).
+_UNUSABLE_WEIGHTS = {"embed_tokens.": "its own token embedding", "lm_head.": "its own LM head",
+                     "d2t": "a reduced draft vocabulary", "t2d": "a reduced draft vocabulary",
+                     "mask_hidden": "a mask hidden state"}
 
 
 def select_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -68,23 +82,24 @@ def make_dflash_config(
     intermediate_size: int | None = None,
 ) -> Qwen3Config:
     """A drafter config for ``target_config``: same width and vocabulary, its own depth."""
+    target_config = target_config.get_text_config(decoder=True)
     hidden = target_config.hidden_size
-    heads = num_attention_heads or target_config.num_attention_heads
-    kv_heads = num_key_value_heads or getattr(target_config, "num_key_value_heads", heads)
+    heads = num_attention_heads or first_layer_setting(target_config, "num_attention_heads")
+    kv_heads = num_key_value_heads or first_layer_setting(target_config, "num_key_value_heads") or heads
     num_target_layers = target_config.num_hidden_layers
     layer_ids = target_layer_ids or select_target_layers(num_target_layers, num_layers)
-    rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    rope = draft_rope(target_config)
     config = Qwen3Config(
         vocab_size=target_config.vocab_size,
         hidden_size=hidden,
-        intermediate_size=intermediate_size or target_config.intermediate_size,
+        intermediate_size=intermediate_size or first_layer_setting(target_config, "intermediate_size"),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=head_dim or getattr(target_config, "head_dim", None) or hidden // heads,
+        head_dim=head_dim or first_layer_setting(target_config, "head_dim") or hidden // heads,
         max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-        rope_parameters=dict(rope),
+        rope_parameters=rope,
         tie_word_embeddings=False,
         num_target_layers=num_target_layers,
         dflash_config={
@@ -95,6 +110,79 @@ def make_dflash_config(
     )
     config.architectures = ["DFlashDraftModel"]
     return config
+
+
+def first_layer_setting(config, name: str):
+    """A target setting that may differ from layer to layer (Gemma 4's head width): its first layer's."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # read per layer only, on a config whose layers differ
+        return getattr(config.per_layer_config[0], name, None)
+
+
+def draft_rope(target_config) -> dict:
+    """The drafter's rotary settings: the target's, as a plain rotary over the whole head (a family's
+    per-layer-type, partial or multimodal variants are the target's own business)."""
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # one set per layer type
+        rope = rope["full_attention"]
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "linear", "dynamic", "yarn", "llama3", "longrope"):
+        rope_type = "default"
+    plain = {key: value for key, value in rope.items()
+             if key not in ("mrope_section", "mrope_interleaved", "partial_rotary_factor", "rope_type")}
+    plain.setdefault("rope_theta", 10000.0)
+    if rope_type == "default":
+        plain = {"rope_theta": plain["rope_theta"]}
+    return {"rope_type": rope_type, **plain}
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one draft layer attends: a sliding window (None: all positions) and causally or not."""
+
+    window: int | None = None
+    causal: bool = False
+
+    @property
+    def masked(self) -> bool:
+        return self.window is not None or self.causal
+
+
+def layer_attention(config, index: int) -> LayerAttention:
+    """Draft layer ``index``'s attention, resolved as vLLM's DFlash loader does:
+
+    - sliding: ``layer_types[index]`` is "sliding_attention"; ``dflash_config.use_swa`` makes every
+      layer slide when no layer type says so; the window is ``dflash_config.swa_window_size`` or
+      ``sliding_window``;
+    - causal: ``is_causal`` if set, else ``dflash_config.causal`` if set, else the layers whose
+      ``layer_types`` entry is "sliding_attention" are causal and the others see the whole block.
+    """
+    nested = getattr(config, "dflash_config", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    use_swa = bool(nested.get("use_swa", False))
+    if layer_types is None or (use_swa and SLIDING not in layer_types):
+        sliding = use_swa
+    else:
+        sliding = layer_types[index] == SLIDING
+    window = None
+    if sliding:
+        window = nested.get("swa_window_size") or getattr(config, "sliding_window", None)
+        if not window or window < 1:
+            raise CheckpointError("a sliding-window draft layer needs its window: set dflash_config.swa_window_size "
+                                  "or sliding_window in config.json")
+    causal = getattr(config, "is_causal", None)
+    if causal is None:
+        causal = nested.get("causal")
+    if causal is None:  # by the layer's declared type: use_swa alone leaves layers non-causal
+        causal = bool(layer_types) and layer_types[index] == SLIDING
+    return LayerAttention(int(window) if window else None, bool(causal))
+
+
+def attention_sinks(config) -> bool:
+    """Whether draft layers carry a learned attention sink per head (``dflash_config.attention_sink_bias``)."""
+    nested = getattr(config, "dflash_config", None) or {}
+    return bool(nested.get("attention_sink_bias", getattr(config, "add_swa_attention_sink_bias", False)))
 
 
 class ContextCache:
@@ -126,11 +214,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-class DFlashAttention(nn.Module):
-    """Attention whose keys/values are [context ; block] and whose queries are the block."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool = True) -> torch.Tensor:
+    """Rotary embedding on x [B, H, T, hd] from cos/sin [B, T, r]: the first r dims of each head rotate
+    (r < hd: a partial rotary), as halves (neox) or as interleaved pairs."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin, neox), x[..., rotary:]], dim=-1)
+    if neox:
+        return apply_rope(x, cos, sin)
+    cos = cos[..., : rotary // 2].repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = sin[..., : rotary // 2].repeat_interleave(2, dim=-1).unsqueeze(1)
+    pairs = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos + pairs * sin
 
-    def __init__(self, config: Qwen3Config):
+
+class DFlashAttention(nn.Module):
+    """Attention whose keys/values are [context ; block] and whose queries are the block.
+
+    With sinks, each head has a learned logit that competes in the softmax without a value (a key
+    of zeros whose score is the sink, put in through the additive mask).
+    """
+
+    def __init__(self, config: Qwen3Config, sinks: bool = False):
         super().__init__()
+        self.neox = bool(getattr(config, "is_neox_style", True))
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -142,18 +249,21 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, num_heads: int) -> torch.Tensor:
         batch, length, _ = x.shape
         return proj(x).view(batch, length, num_heads, self.head_dim)
 
     def project_keys_values(self, x, rope):
-        keys = apply_rope(self.k_norm(self._heads(x, self.k_proj, self.num_kv_heads)).transpose(1, 2), *rope)
+        keys = apply_rotary(self.k_norm(self._heads(x, self.k_proj, self.num_kv_heads)).transpose(1, 2), *rope,
+                            neox=self.neox)
         values = self._heads(x, self.v_proj, self.num_kv_heads).transpose(1, 2)
         return keys, values
 
     def forward(self, block, block_rope, context, context_rope, cache=None, layer=0, attention_mask=None):
-        queries = apply_rope(self.q_norm(self._heads(block, self.q_proj, self.num_heads)).transpose(1, 2), *block_rope)
+        queries = apply_rotary(self.q_norm(self._heads(block, self.q_proj, self.num_heads)).transpose(1, 2),
+                               *block_rope, neox=self.neox)
         block_k, block_v = self.project_keys_values(block, block_rope)
         if context is not None and context.shape[1] > 0:
             ctx_k, ctx_v = self.project_keys_values(context, context_rope)
@@ -164,17 +274,31 @@ class DFlashAttention(nn.Module):
             ctx_k, ctx_v = cache.extend(layer, ctx_k, ctx_v)
         keys = torch.cat([ctx_k, block_k], dim=-2)
         values = torch.cat([ctx_v, block_v], dim=-2)
+        if self.attention_sink_bias is not None:
+            keys, values, attention_mask = self._with_sink(keys, values, attention_mask, queries.shape[2])
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
         batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
+    def _with_sink(self, keys, values, visible, num_queries):
+        """Keys/values with a zero column appended, and the additive mask [B, H, Q, K + 1] whose last column
+        is each head's sink logit (a zero key scores 0, so the mask alone puts the sink in)."""
+        zero = keys[..., :1, :] * 0
+        keys, values = torch.cat([keys, zero], dim=-2), torch.cat([values, zero], dim=-2)
+        batch, length = keys.shape[0], keys.shape[-2] - 1
+        mask = torch.zeros(batch, self.num_heads, num_queries, length, dtype=keys.dtype, device=keys.device)
+        if visible is not None:
+            mask = mask.masked_fill(~visible, torch.finfo(keys.dtype).min)
+        sink = self.attention_sink_bias.to(keys.dtype).view(1, -1, 1, 1).expand(batch, -1, num_queries, 1)
+        return keys, values, torch.cat([mask, sink], dim=-1)
+
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, sinks: bool = False):
         super().__init__()
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = DFlashAttention(config, sinks)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -195,17 +319,23 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
-        self.target_layer_ids = [int(i) for i in dflash_setting(
-            config, "target_layer_ids", select_target_layers(config.num_target_layers, config.num_hidden_layers)
-        )]
+        sinks = attention_sinks(config)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, sinks) for _ in range(config.num_hidden_layers)])
+        self.attention = [layer_attention(config, i) for i in range(config.num_hidden_layers)]
+        layer_ids = dflash_setting(config, "target_layer_ids")
+        if layer_ids is None:
+            layer_ids = select_target_layers(config.num_target_layers, config.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in layer_ids]
         self.block_size = int(dflash_setting(config, "block_size", DEFAULT_BLOCK_SIZE))
         self.mask_token_id = dflash_setting(config, "mask_token_id")
-        feature_width = len(self.target_layer_ids) * config.hidden_size
-        self.fc = nn.Linear(feature_width, config.hidden_size, bias=False)
+        #: Multiplies the drafter's logits (vLLM's ``logit_scale``).
+        self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
+        self.fc = nn.Linear(len(self.target_layer_ids) * target_width(config), config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.rotary_emb = Qwen3RotaryEmbedding(_rotary_config(config))
+        #: The embedding of masked block slots when the draft ships its own (None: the target's row).
+        self.register_buffer("mask_embedding", None, persistent=False)
         self.post_init()
 
     def new_cache(self) -> ContextCache:
@@ -226,17 +356,69 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         context_features: [B, C, k*D], concatenated target hidden states of new context positions;
             with a cache they are appended to it, so pass only positions not seen before.
         attention_mask: optional [B or 1, 1, Q, C_total + Q] (bool: True = visible) for training;
-            None means every query sees all context and the whole block.
+            None means every query sees all context and the whole block (causal or sliding-window
+            layers see less: by position).
         """
         block_rope = self.rotary_emb(block_embeddings, block_positions)
         context, context_rope = None, None
         if context_features is not None and context_features.shape[1] > 0:
             context = self.hidden_norm(self.fc(context_features))
             context_rope = self.rotary_emb(context, context_positions)
+        masks = self._layer_masks(block_positions, context_positions, cache, attention_mask)
         hidden = block_embeddings
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, block_rope, context, context_rope, cache, index, attention_mask)
+            hidden = layer(hidden, block_rope, context, context_rope, cache, index, masks[self.attention[index]])
         return self.norm(hidden)
+
+    def embed_block(self, embed_tokens, block_ids: torch.LongTensor) -> torch.Tensor:
+        """The block's embeddings through the target's table; masked slots take the draft's own mask
+        embedding where it ships one."""
+        embeddings = embed_tokens(block_ids)
+        if self.mask_embedding is None:
+            return embeddings
+        masked = (block_ids == int(self.mask_token_id)).unsqueeze(-1)
+        return torch.where(masked, self.mask_embedding.to(embeddings.dtype), embeddings)
+
+    def _layer_masks(self, block_positions, context_positions, cache, attention_mask) -> dict:
+        """Per kind of layer attention: ``attention_mask`` narrowed by causality and window (by position)."""
+        masks = {spec: attention_mask for spec in set(self.attention)}
+        if not any(spec.masked for spec in masks):
+            return masks
+        keys = torch.cat([self._context_positions(block_positions, context_positions, cache), block_positions], 1)
+        distance = block_positions.unsqueeze(-1) - keys.unsqueeze(1)  # [B, Q, K]: query position - key position
+        for spec in masks:
+            if spec.masked:
+                visible = torch.ones_like(distance, dtype=torch.bool)
+                if spec.causal:
+                    visible &= distance >= 0
+                if spec.window is not None:
+                    visible &= distance < spec.window
+                visible = visible.unsqueeze(1)
+                masks[spec] = visible if attention_mask is None else attention_mask & visible
+        return masks
+
+    @staticmethod
+    def _context_positions(block_positions, context_positions, cache) -> torch.LongTensor:
+        """Positions of the context keys: a cache holds positions 0.. in order; without one, the new context's."""
+        new = 0 if context_positions is None else context_positions.shape[1]
+        if cache is None:
+            return block_positions[:, :0] if context_positions is None else context_positions
+        total = cache.length + new
+        return torch.arange(total, device=block_positions.device).unsqueeze(0).expand(block_positions.shape[0], -1)
+
+
+def target_width(config) -> int:
+    """The width of each target layer's features (``target_hidden_size``, else the draft's own)."""
+    return int(getattr(config, "target_hidden_size", None) or config.hidden_size)
+
+
+def _rotary_config(config: Qwen3Config) -> Qwen3Config:
+    """The config the rotary embedding is built from: with a partial rotary, a head of the rotated dims only."""
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    if not factor or factor >= 1:
+        return config
+    rotary = Qwen3Config(**{**config.to_dict(), "head_dim": int(config.head_dim * factor)})
+    return rotary
 
 
 # ---------------------------------------------------------------------------
@@ -245,31 +427,125 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
 def load_dflash_model(directory) -> DFlashDraftModel:
     """Load a DFlash draft checkpoint (ours or one written by other software)."""
-    config = read_config(directory)
-    architectures = config.get("architectures") or []
+    raw = read_config(directory)
+    architectures = raw.get("architectures") or []
     if "DFlashDraftModel" not in architectures:
         raise CheckpointError(
             f"{directory} is not a DFlash draft: config.json architectures is {architectures}, "
             "expected ['DFlashDraftModel']"
         )
-    require_keys(config, ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"], directory)
-    nested = config.get("dflash_config") or {}
-    if nested.get("mask_token_id", config.get("mask_token_id")) is None:
+    require_keys(raw, ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"], directory)
+    nested = raw.get("dflash_config") or {}
+    if nested.get("mask_token_id", raw.get("mask_token_id")) is None:
         raise CheckpointError(f"{directory}/config.json lacks dflash_config.mask_token_id")
-    if config.get("num_target_layers") is None and not nested.get("target_layer_ids"):
-        raise CheckpointError(f"{directory}/config.json lacks num_target_layers and dflash_config.target_layer_ids")
+    _check_target_layers(raw, nested, directory)
+    _refuse_unsupported(raw, nested, directory)
     require_weights(directory)
-    return load_pretrained_strict(DFlashDraftModel, directory, dtype=torch.float32)
+    _refuse_unusable_weights(directory)
+    model = load_pretrained_strict(DFlashDraftModel, directory, dtype=torch.float32,
+                                   config=_draft_config(directory, raw, nested))
+    model.mask_embedding = read_mask_embedding(directory, model.mask_token_id, model.config.hidden_size)
+    return model
+
+
+def _check_target_layers(raw: dict, nested: dict, directory) -> None:
+    """The target layers a draft reads are its own: guessing them from depth would mostly be wrong."""
+    layer_ids = nested.get("target_layer_ids", raw.get("target_layer_ids"))
+    if not layer_ids:
+        raise CheckpointError(f"{directory}/config.json lacks dflash_config.target_layer_ids (the target layers the "
+                              "draft reads): add the list the draft was trained with")
+    declared = raw.get("num_target_layers")
+    if declared is not None and any(not 0 <= int(i) < int(declared) for i in layer_ids):
+        raise CheckpointError(f"{directory}/config.json: dflash_config.target_layer_ids {list(layer_ids)} are not all "
+                              f"layers of a {declared}-layer target (num_target_layers)")
+
+
+def _refuse_unsupported(raw: dict, nested: dict, directory) -> None:
+    """Settings of some drafts that blockspec cannot honour, refused by name rather than ignored."""
+    if nested.get("use_aux_hidden_state", raw.get("use_aux_hidden_state", True)) is False:
+        raise CheckpointError(f"{directory}: use_aux_hidden_state false (a draft that does not read the target's "
+                              "layers) is not supported")
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != raw["vocab_size"]:
+        raise CheckpointError(f"{directory}: draft_vocab_size {draft_vocab} (a reduced draft vocabulary) is not "
+                              f"supported: the draft must predict the target's {raw['vocab_size']} tokens")
+    other = sorted(set(raw.get("layer_types") or []) - {"full_attention", SLIDING})
+    if other:
+        raise CheckpointError(f"{directory}: layer_types {', '.join(other)} are not supported "
+                              f"(draft layers are full_attention or {SLIDING})")
+
+
+def _refuse_unusable_weights(directory) -> None:
+    for name in weight_names(directory):
+        bare = name.removeprefix("model.")
+        for prefix, what in _UNUSABLE_WEIGHTS.items():
+            if bare.startswith(prefix):
+                raise CheckpointError(f"{directory} ships {what} ({name}), which blockspec does not use: it drafts "
+                                      "through the target's own embedding and LM head")
+
+
+def weight_names(directory) -> list[str]:
+    """The tensor names of a checkpoint's safetensors weights (none for other formats)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        return []
+    try:
+        with safe_open(str(single), framework="pt") as weights:
+            return list(weights.keys())
+    except Exception:  # unreadable: the weight loader reports it by name
+        return []
+
+
+def _draft_config(directory, raw: dict, nested: dict) -> Qwen3Config:
+    """The config the model is built from, with what Qwen3Config would otherwise lose or default differently."""
+    config = Qwen3Config.from_pretrained(str(directory))
+    sliding = SLIDING in (raw.get("layer_types") or []) or nested.get("use_swa") or raw.get("use_sliding_window")
+    if sliding and not nested.get("swa_window_size") and raw.get("sliding_window"):
+        # Qwen3Config drops sliding_window unless use_sliding_window is set; the draft's layer types still slide
+        config.dflash_config = {**nested, "swa_window_size": int(raw["sliding_window"])}
+    if not any(key in raw for key in ("rope_theta", "rope_parameters", "rope_scaling")):
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}  # the drafts' (and vLLM's) default
+    return config
+
+
+def read_mask_embedding(directory, mask_token_id, hidden_size: int) -> torch.Tensor | None:
+    """The draft's own mask embedding (``mask_embedding.pt``: a tensor, or a dict with ``embedding`` and
+    ``mask_token_id``), None when it ships none."""
+    path = Path(directory) / MASK_EMBEDDING_FILE
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"could not read {path}: {error}") from error
+    if isinstance(state, dict):
+        if state.get("mask_token_id", mask_token_id) != mask_token_id:
+            raise CheckpointError(f"{path} is for mask_token_id {state.get('mask_token_id')} but "
+                                  f"dflash_config.mask_token_id is {mask_token_id}")
+        state = state.get("embedding")
+    if not isinstance(state, torch.Tensor) or state.numel() != hidden_size:
+        raise CheckpointError(f"{path} must hold one embedding of {hidden_size} values")
+    return state.reshape(-1).float()
 
 
 def check_fits_target(model: DFlashDraftModel, target_config, *, draft_name: str = "the draft") -> None:
     """Refuse a drafter built for another target, naming the mismatch."""
     config = model.config
+    target_config = target_config.get_text_config(decoder=True)
     target_layers = target_config.num_hidden_layers
     if config.hidden_size != target_config.hidden_size:
         raise IncompatibleDraftError(
             f"{draft_name} has hidden size {config.hidden_size} but the target has {target_config.hidden_size}: "
             "use a draft trained for this target"
+        )
+    if target_width(config) != target_config.hidden_size:
+        raise IncompatibleDraftError(
+            f"{draft_name} reads target features of width {target_width(config)} (target_hidden_size) but the "
+            f"target's layers are {target_config.hidden_size} wide: use a draft trained for this target"
         )
     if config.vocab_size != target_config.vocab_size:
         raise IncompatibleDraftError(
@@ -293,6 +569,13 @@ def check_fits_target(model: DFlashDraftModel, target_config, *, draft_name: str
 
 
 def save_dflash_model(model: DFlashDraftModel, directory) -> None:
-    """Save in the public layout, atomically."""
+    """Save in the public layout, atomically (a mask embedding of its own beside the weights)."""
     model.config.architectures = ["DFlashDraftModel"]
-    save_atomically(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), directory)
+
+    def write(tmp):
+        model.save_pretrained(tmp, safe_serialization=True)
+        if model.mask_embedding is not None:
+            torch.save({"embedding": model.mask_embedding.detach().cpu(), "mask_token_id": int(model.mask_token_id)},
+                       Path(tmp) / MASK_EMBEDDING_FILE)
+
+    save_atomically(write, directory)
