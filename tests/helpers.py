@@ -87,6 +87,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
         return Qwen3Config(**common)
+    if arch in FAMILY_CONFIGS:
+        return family_config(arch, common)
     raise ValueError(arch)
 
 
@@ -360,3 +362,80 @@ def load_served_target(directory) -> Target:
     target = load_target(str(directory), device="cpu")
     target.model.double()
     return target
+
+
+# --- the target families with public DFlash drafts ------------------------------------------
+
+#: The sliding window of the tiny sliding-window targets: prompts and answers cross it.
+TINY_WINDOW = 8
+
+
+def _qwen3_5(**common):
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    # Gated DeltaNet (linear attention) in layers 0-2, full attention in layer 3
+    return Qwen3_5TextConfig(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4, **common)
+
+
+def _qwen3_next(**common):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           shared_expert_intermediate_size=64, experts_implementation="eager", **common)
+
+
+def _gpt_oss(**common):
+    from transformers import GptOssConfig
+
+    # sliding-window and full layers, attention sinks, MoE; yarn as the family ships it
+    rope = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16, "rope_theta": 150000.0,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    return GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=TINY_WINDOW,
+                        layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters=rope,
+                        experts_implementation="eager", **common)
+
+
+def _gemma4(**common):
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    # sliding-window and full layers (wider heads), per-layer input embeddings
+    return Gemma4TextConfig(head_dim=16, global_head_dim=32, sliding_window=TINY_WINDOW,
+                            layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=320,
+                            hidden_size_per_layer_input=16, **common)
+
+
+def _deepseek_v3(**common):
+    from transformers import DeepseekV3Config
+
+    # multi-head latent attention (one key/value head per query head), MoE after the first layer
+    common["num_key_value_heads"] = common["num_attention_heads"]
+    return DeepseekV3Config(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                            first_k_dense_replace=1, moe_intermediate_size=32, experts_implementation="eager",
+                            **common)
+
+
+def _qwen2(**common):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**common)
+
+
+def _qwen3_moe(**common):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          experts_implementation="eager", **common)
+
+
+#: tiny_config's families beyond llama and qwen3 (MoE experts run eagerly: float64 has no grouped matmul).
+FAMILY_CONFIGS = {"qwen2": _qwen2, "qwen3_moe": _qwen3_moe, "qwen3_5": _qwen3_5, "qwen3_next": _qwen3_next,
+                  "gpt_oss": _gpt_oss, "gemma4": _gemma4, "deepseek_v3": _deepseek_v3}
+#: Every family the family matrix decodes.
+FAMILIES = ("llama", "qwen2", "qwen3", *[f for f in FAMILY_CONFIGS if f != "qwen2"])
+
+
+def family_config(arch: str, common: dict):
+    return FAMILY_CONFIGS[arch](**common)

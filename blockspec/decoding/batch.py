@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import DynamicCache
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.cache import BatchCache
+from blockspec.decoding.cache import BatchCache, LinearStates, new_target_cache, sliding_window_of
 from blockspec.decoding.fast import StaticBatchTarget, compile_choice, fast_forward
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.policy import AUTO
@@ -57,21 +56,31 @@ class BatchEvent:
 
 
 class BatchTarget:
-    """The target's forwards for the batch's rows: each prefilled alone, all verified together."""
+    """The target's forwards for the batch's rows: each prefilled alone, all verified together.
+
+    Every kind of cache layer is batched: attention and MLA layers share columns with a per-row
+    validity mask; sliding-window layers keep every column and see their window through a mask
+    built from each column's position; linear-attention layers hold one state per row, rolled back
+    row by row (``blockspec.decoding.cache``).
+    """
 
     def __init__(self, model, feature_layers: list[int] | None, pad_token_id: int = 0):
         self.model = model
         self.feature_layers = feature_layers
         self.pad_token_id = pad_token_id
         self.cache = BatchCache(model.config)
+        template = new_target_cache(model)
+        self.linear = LinearStates(model, template)
+        self._window = sliding_window_of(template)
+        self._layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
         self._block_valid: torch.Tensor | None = None
+        self._block_positions: torch.Tensor | None = None
 
     def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
         """Prefill one new row on its own cache, then splice that cache into the batch as its last row."""
-        row_cache = DynamicCache(config=self.model.config)
+        row_cache = new_target_cache(self.model)
         out = self.model(input_ids=input_ids, cache=row_cache, use_cache=True, logits_to_keep=1,
                          output_hidden_states=self.feature_layers is not None)
-        _check_full_attention(row_cache)
         self.cache.append_row(row_cache, input_ids.shape[1])
         return TargetOutput(TargetScores(out.logits[0, -1:]), self._features(out.hidden_states, 0))
 
@@ -85,10 +94,11 @@ class BatchTarget:
             block_valid[r, :block.width] = True
         starts = torch.tensor([block.start for block in blocks], device=device)
         position_ids = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
-        out = self.model(input_ids=input_ids, attention_mask=self.cache.attention_mask(block_valid),
-                         position_ids=position_ids, cache=self.cache.kv, use_cache=True,
-                         output_hidden_states=self.feature_layers is not None)
-        self._block_valid = block_valid
+        with self.linear.recording(self.cache.kv):
+            out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(block_valid, position_ids),
+                             position_ids=position_ids, cache=self.cache.kv, use_cache=True,
+                             output_hidden_states=self.feature_layers is not None)
+        self._block_valid, self._block_positions = block_valid, position_ids
         return [TargetOutput(TargetScores(out.logits[r, :block.width]),
                              self._features(out.hidden_states, r, block.width))
                 for r, block in enumerate(blocks)]
@@ -98,8 +108,9 @@ class BatchTarget:
         for r, rows in enumerate(kept_rows):
             block_valid[r] = False
             block_valid[r, rows] = True
-        self.cache.settle(block_valid)
-        self._block_valid = None
+        self.linear.rewind(self.cache.kv, [len(rows) for rows in kept_rows], block_valid.shape[1])
+        self.cache.settle(block_valid, self._block_positions)
+        self._block_valid = self._block_positions = None
 
     def keep_sequences(self, indices: list[int]) -> None:
         """Only these rows (by index) go on; the others leave the batch."""
@@ -107,6 +118,14 @@ class BatchTarget:
 
     def reserve(self, length: int) -> None:
         """Nothing to do: the dynamic cache grows as it goes."""
+
+    def _attention_mask(self, block_valid: torch.Tensor, position_ids: torch.Tensor):
+        """The 2D key mask; with sliding-window layers, 4D masks per layer type (their window follows positions)."""
+        if self._window is None:
+            return self.cache.attention_mask(block_valid)
+        masks = self.cache.attention_masks(block_valid, position_ids, self._layer_types or ["sliding_attention"],
+                                           self._window, self.model.dtype)
+        return masks if self._layer_types is not None else masks["sliding_attention"]
 
     def _features(self, hidden_states, row: int, length: int | None = None) -> torch.Tensor | None:
         if self.feature_layers is None:
@@ -237,12 +256,6 @@ class BatchEngine:
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             self.target.keep_sequences(keep)
-
-
-def _check_full_attention(cache: DynamicCache) -> None:
-    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-        raise BlockspecError("batched decoding needs a full-attention target; this model has sliding-window "
-                             "layers: decode it one sequence at a time with speculative_generate")
 
 
 @dataclass
