@@ -253,3 +253,46 @@ def test_cost_measurement_rolls_back_to_the_context():
         rolled_back.keep([[]])
         after, expected = (s.verify([VerifyBlock([9], 12)])[0].scores.logits for s in (rolled_back, untouched))
     assert torch.equal(after, expected)
+
+
+def test_features_are_each_layers_output(family):
+    """``hidden_states[i + 1]`` is decoder layer i's output on every family (the last after the final norm)."""
+    from blockspec.models.target import layer_features
+
+    target, outputs = family.target, {}
+    layers = target.model.layers
+    hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
+             for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            hidden = target(family.cases[0], output_hidden_states=True).hidden_states
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last = len(layers) - 1
+    assert torch.equal(layer_features(hidden, [0, 2]), torch.cat([outputs[0], outputs[2]], dim=-1))
+    assert torch.equal(layer_features(hidden, [last]), target.model.norm(outputs[last]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "qwen3_next"])
+def test_router_outputs_are_left_off(arch):
+    """A config that asks for MoE router logits decodes the same (they would be a training loss over the masks)."""
+    target = make_causal_lm(arch, output_router_logits=True).double()
+    cases = prompts(320, count=3, seed=1)
+    answers = [hf_greedy(target, ids, 16) for ids in cases]
+    config = GenerationConfig(max_new_tokens=16)
+    assert [r.token_ids for r in batch_generate(target, cases, PromptLookupDrafter(), config)] == answers
+    reference = cases[0][0].tolist() + answers[0]
+    tree = GenerationConfig(max_new_tokens=16, tree_budget=6)
+    assert decode(target, cases[0], NoisyOracle(reference, 320), tree).token_ids == answers[0]
+
+
+@pytest.mark.parametrize("arch", [f for f in FAMILIES if f not in ("llama", "qwen2", "qwen3")])
+def test_families_the_fast_path_does_not_run_decode_eagerly(arch):
+    from blockspec.decoding.fast import compile_choice
+    from blockspec.errors import BlockspecError
+
+    target = make_causal_lm(arch)
+    assert compile_choice(target, "auto")[0] is False
+    with pytest.raises(BlockspecError, match="use --compile off"):
+        compile_choice(target, "on")

@@ -35,7 +35,7 @@ from blockspec.decoding.step import decode_step, prefill_step
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import Drafter
 from blockspec.errors import BlockspecError
-from blockspec.models.target import layer_features
+from blockspec.models.target import forward_options, layer_features
 
 
 @dataclass
@@ -73,6 +73,7 @@ class BatchTarget:
         self.linear = LinearStates(model, template)
         self._window = sliding_window_of(template)
         self._layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        self._options = forward_options(model)
         self._block_valid: torch.Tensor | None = None
         self._block_positions: torch.Tensor | None = None
 
@@ -80,7 +81,7 @@ class BatchTarget:
         """Prefill one new row on its own cache, then splice that cache into the batch as its last row."""
         row_cache = new_target_cache(self.model)
         out = self.model(input_ids=input_ids, cache=row_cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=self.feature_layers is not None)
+                         output_hidden_states=self.feature_layers is not None, **self._options)
         self.cache.append_row(row_cache, input_ids.shape[1])
         return TargetOutput(TargetScores(out.logits[0, -1:]), self._features(out.hidden_states, 0))
 
@@ -97,7 +98,7 @@ class BatchTarget:
         with self.linear.recording(self.cache.kv):
             out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(block_valid, position_ids),
                              position_ids=position_ids, cache=self.cache.kv, use_cache=True,
-                             output_hidden_states=self.feature_layers is not None)
+                             output_hidden_states=self.feature_layers is not None, **self._options)
         self._block_valid, self._block_positions = block_valid, position_ids
         return [TargetOutput(TargetScores(out.logits[r, :block.width]),
                              self._features(out.hidden_states, r, block.width))

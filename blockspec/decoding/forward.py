@@ -19,7 +19,7 @@ from blockspec.decoding.cache import LinearStates, new_target_cache, rewind_cach
 from blockspec.decoding.tree import tree_attention_mask, tree_position_ids
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.tree import Tree
-from blockspec.models.target import layer_features, position_ids
+from blockspec.models.target import forward_options, layer_features, position_ids
 
 
 @dataclass
@@ -82,11 +82,12 @@ class SequenceTarget:
         self.linear = LinearStates(model, self.cache)
         self._window = sliding_window_of(self.cache)
         self._layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        self._options = forward_options(model)
         self._pending: VerifyBlock | None = None
 
     def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=self.feature_layers is not None)
+                         output_hidden_states=self.feature_layers is not None, **self._options)
         trim_to_window(self.cache)
         return TargetOutput(TargetScores(out.logits[0, -1:]), self._features(out))
 
@@ -96,7 +97,8 @@ class SequenceTarget:
         with self.linear.recording(self.cache):
             out = self.model(input_ids=torch.tensor([block.tokens], device=device),
                              position_ids=block.position_ids(device), attention_mask=self._tree_mask(block),
-                             cache=self.cache, use_cache=True, output_hidden_states=self.feature_layers is not None)
+                             cache=self.cache, use_cache=True, output_hidden_states=self.feature_layers is not None,
+                             **self._options)
         self._pending = block
         return [TargetOutput(TargetScores(out.logits[0]), self._features(out))]
 

@@ -48,8 +48,22 @@ class Target:
 
 
 def layer_features(hidden_states, layer_ids) -> torch.Tensor:
-    """The outputs of target layers ``layer_ids`` (``hidden_states[i + 1]``), concatenated: [B, T, len * D]."""
+    """The outputs of target layers ``layer_ids`` (``hidden_states[i + 1]``), concatenated: [B, T, len * D].
+
+    Every family's ``hidden_states`` is the embedding output (Gemma's scaled, as its layers see it),
+    then each decoder layer's output, the last one after the final norm.
+    """
+    if max(layer_ids) + 1 >= len(hidden_states):
+        raise BlockspecError(f"the drafter reads target layer {max(layer_ids)} but the target returned hidden states "
+                             f"of {len(hidden_states) - 1} layers: use a drafter made for this target")
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def forward_options(model) -> dict:
+    """Keyword arguments of every target forward of decoding: MoE router outputs off (they are only a
+    training loss's, and would be computed over the verify masks)."""
+    config = model.config.get_text_config(decoder=True)
+    return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
 
 
 def position_ids(start: int, length: int, device) -> torch.LongTensor:
