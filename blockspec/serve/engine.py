@@ -38,7 +38,7 @@ from blockspec.decoding.policy import AUTO
 from blockspec.decoding.sequence import GenerationConfig, GenerationStats
 from blockspec.decoding.sequential import SequentialEngine
 from blockspec.decoding.text import Detokenizer
-from blockspec.decoding.tree import DEFAULT_TREE_TOP_K
+from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.serve.metrics import ServerMetrics
 from blockspec.serve.schemas import APIError
 
