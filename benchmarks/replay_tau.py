@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--target", default=None, help="target (default: the run's)")
     parser.add_argument("--data-dir", default=None,
                         help="where the run read its prompts, for runs whose records lack prompt_ids")
-    parser.add_argument("--widths", nargs="+", type=int, default=[16], help="chain verify widths")
+    parser.add_argument("--widths", nargs="*", type=int, default=[16], help="chain verify widths (none: trees only)")
     parser.add_argument("--trees", nargs="*", type=int, default=[], help="tree budgets (nodes)")
     parser.add_argument("--tree-top-k", nargs="+", type=int, default=[DEFAULT_TREE_TOP_K],
                         help="children per tree node")
@@ -77,8 +77,6 @@ def run(args) -> list[dict]:
                     lengths[answer.dataset] += replay_acceptance(target.model, drafter, answer.prompt_ids,
                                                                  answer.answer_ids, max_new_tokens=max_new,
                                                                  **options)
-                    if hasattr(drafter, "remember"):
-                        drafter.remember(answer.answer_ids)
                 for dataset, steps in lengths.items():
                     rows.append({"draft": directory, "method": method, "setting": name, "dataset": dataset,
                                  "prompts": sum(a.dataset == dataset for a in answers),

@@ -1,4 +1,5 @@
-"""Suffix drafting: the suffix index against brute force on random strings."""
+"""Suffix drafting: the suffix index against brute force on random strings; the drafter, its store, and
+hybrid trees lossless."""
 
 import random
 from collections import Counter
@@ -19,62 +20,78 @@ def substring_counts(sequences: list[list[int]], depth: int) -> Counter:
     return counts
 
 
-def trie_counts(index: SuffixIndex) -> Counter:
-    counts = Counter()
-    stack = [((), index.root)]
-    while stack:
-        path, node = stack.pop()
-        for token, child in node.children.items():
-            counts[path + (token,)] = child.count
-            stack.append((path + (token,), child))
-    return counts
-
-
 def random_sequences(seed: int, count: int = 5, vocab: int = 4) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("depth", [1, 3, 8])
-def test_the_index_counts_every_run_as_brute_force_does(seed, depth):
-    sequences = random_sequences(seed)
-    index = SuffixIndex(depth)
+def built_in_pieces(sequences: list[list[int]], seed: int, **options) -> SuffixIndex:
+    """An index of ``sequences`` appended a piece at a time, interleaved, as generation appends them
+    (so sequences grow after others were added and must move), with two removed on the way."""
+    index = SuffixIndex(**options)
     rng = random.Random(seed)
-    for key, sequence in enumerate(sequences):  # in pieces, as generation appends them
-        cut = rng.randrange(len(sequence) + 1)
-        index.extend(key, sequence[:cut])
-        index.extend(key, sequence[cut:])
-    assert trie_counts(index) == substring_counts(sequences, depth)
-    index.remove(1)
-    index.remove(3)
-    assert trie_counts(index) == substring_counts([s for k, s in enumerate(sequences) if k not in (1, 3)], depth)
-    assert index.tokens == sum(len(s) for k, s in enumerate(sequences) if k not in (1, 3))
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_the_match_is_the_longest_known_suffix_with_a_continuation(seed):
-    depth = 6
-    sequences = random_sequences(seed, vocab=3)
-    index = SuffixIndex(depth)
+    cuts = [rng.randrange(len(sequence) + 1) for sequence in sequences]
     for key, sequence in enumerate(sequences):
-        index.extend(key, sequence)
-    counts = substring_counts(sequences, depth)
+        index.extend(key, sequence[:cuts[key]])
+    index.extend("gone", [1, 2, 3] * 30)
+    for key, sequence in enumerate(sequences):
+        index.extend(key, sequence[cuts[key]:])
+    index.extend("also gone", [3, 2, 1] * 30)
+    index.remove("gone")
+    index.remove("also gone")  # now over half the array is holes: compacted
+    return index
+
+
+def brute_force_match(sequences, context, max_match):
+    """The longest suffix of ``context`` (<= max_match tokens) followed by something somewhere, and what
+    follows it how often."""
+    counts = substring_counts(sequences, max_match + 1)
+    for length in range(min(max_match, len(context)), 0, -1):
+        suffix = tuple(context[-length:])
+        following = {t: counts[suffix + (t,)] for t in range(4) if counts[suffix + (t,)]}
+        if following:
+            return length, following
+    return 0, {}
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("max_match", [1, 3, 8])
+def test_the_match_is_the_longest_known_suffix_with_a_continuation(seed, max_match):
+    sequences = random_sequences(seed, vocab=3)
+    index = built_in_pieces(sequences, seed, max_match=max_match)
+    assert index.tokens == sum(map(len, sequences))
+    assert [index.sequence(key) for key in range(len(sequences))] == sequences
     rng = random.Random(seed + 100)
     for _ in range(20):
-        context = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
-        node, length = index.match(context)
-        # brute force: the longest suffix (< depth tokens) followed by something in some sequence
-        expected = next((n for n in range(min(depth - 1, len(context)), 0, -1)
-                         if any(counts[tuple(context[-n:]) + (t,)] for t in range(3))), 0)
-        assert length == expected
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        match, length = index.match(context)
+        expected_length, following = brute_force_match(sequences, context, max_match)
+        assert length == expected_length
         if length:
-            following = {t: counts[tuple(context[-length:]) + (t,)] for t in range(3)}
-            assert {t: c.count for t, c in node.children.items()} == {t: c for t, c in following.items() if c}
+            paths = index.continuations(match, budget=10, max_depth=1)
+            total = sum(following.values())
+            assert {p.tokens[0]: p.probability for p in paths} == pytest.approx(
+                {t: c / total for t, c in following.items()})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_continuation_is_scored_by_its_counts_as_brute_force_finds_them(seed):
+    sequences = random_sequences(seed, vocab=3)
+    index = built_in_pieces(sequences, seed, max_match=4)
+    counts = substring_counts(sequences, 12)
+    context = sequences[0][:3]
+    match, length = index.match(context)
+    suffix = tuple(context[-length:])
+    for path in index.continuations(match, budget=50, max_depth=5):
+        probability = 1.0
+        for step in range(1, len(path.tokens) + 1):
+            here = suffix + tuple(path.tokens[:step - 1])
+            probability *= counts[here + (path.tokens[step - 1],)] / sum(counts[here + (t,)] for t in range(3))
+        assert path.probability == pytest.approx(probability)
 
 
 def test_continuations_are_the_most_frequent_paths_parents_first():
-    index = SuffixIndex(depth=8)
+    index = SuffixIndex(max_match=8)
     index.extend("a", [1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2, 3])
     node, length = index.match([7, 1, 2])
     assert length == 2  # [1, 2]
@@ -85,6 +102,21 @@ def test_continuations_are_the_most_frequent_paths_parents_first():
     assert all(c.tokens[:-1] == paths[c.parent].tokens for c in paths if c.parent >= 0)
     assert len(index.continuations(node, budget=10, max_depth=1)) == 2
     assert index.continuations(node, budget=10, max_depth=3, min_probability=0.5)[-1].probability >= 0.5
+
+
+def test_a_long_match_drafts_as_deep_as_asked_and_counts_the_latest_occurrences():
+    index = SuffixIndex(max_match=32, max_occurrences=2)
+    text = list(range(100, 160))
+    index.extend("old", [5, 6, 1] * 3)
+    index.extend("new", [5, 6, 2] * 2)
+    index.extend("text", text)
+    match, length = index.match(text[:40])
+    assert length == 32
+    paths = index.continuations(match, budget=20, max_depth=16)
+    assert [p.tokens for p in paths] == [text[40:40 + n] for n in range(1, 17)]
+    assert {p.probability for p in paths} == {1.0}
+    match, _ = index.match([5, 6])
+    assert [p.tokens for p in index.continuations(match, budget=4, max_depth=1)] == [[2]]  # the 2 latest
 
 
 # --- the drafter, its store, and hybrid trees --------------------------------------------------------------
@@ -136,18 +168,44 @@ def test_suffix_and_hybrid_drafting_are_lossless(world, method, tree_budget):
         config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8, tree_budget=tree_budget)
         stream = decode(target, ids, drafter, config)
         assert stream.token_ids == expected
-        accepted += sum(stream.stats.accepted)
-        if hasattr(drafter, "remember"):
-            drafter.remember(ids[0].tolist() + stream.token_ids)  # later prompts may copy from earlier outputs
+        accepted += sum(stream.stats.accepted)  # each answer joins the store: later prompts may copy it
     assert accepted > 0
 
 
+def test_a_finished_answer_is_kept_so_the_same_request_drafts_it_whole(world):
+    target, references = world
+    ids, expected = references[0]
+    drafter = SuffixDrafter(SuffixStore())
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8)
+    first = decode(target, ids, drafter, config)
+    again = decode(target, ids, drafter, config)
+    assert first.token_ids == again.token_ids == expected
+    assert again.stats.accepted == [7] * (len(again.stats.accepted) - 1) + again.stats.accepted[-1:]
+    assert len(again.stats.accepted) < len(first.stats.accepted)
+
+
+def test_a_server_engine_keeps_each_namespace_to_its_own_answers(world):
+    from blockspec.decoding.sequential import SequentialEngine
+
+    target, references = world
+    ids, expected = references[1]
+    engine = SequentialEngine(target, SuffixDrafter(SuffixStore()))
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=8)
+    rows = [engine.add(ids, config, namespace=space) for space in ("alice", "alice", "bob")]
+    list(engine.run())
+    first, again, other = (row.stats for row in rows)
+    assert all(row.sequence.token_ids == expected for row in rows)
+    assert len(again.accepted) < len(first.accepted)
+    assert other.accepted == first.accepted  # bob drafts from his own prompt only, as alice did at first
+
+
 def test_the_store_keeps_to_its_size_and_evicts_the_oldest():
-    store = SuffixStore(max_tokens=50, depth=4)
+    store = SuffixStore(max_tokens=50, max_match=4)
     for key in range(6):
         store.add("k", [key] * 20)
     assert store.tokens <= 50
-    held = {token for index in store.indexes.values() for token in index.root.children}
+    held = {token for index in store.indexes.values() for key in range(6) if key in index
+            for token in index.sequence(key)}
     assert held == {4, 5}  # the two newest outputs
 
 

@@ -18,7 +18,7 @@ import torch
 
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.sequence import GenerationConfig, new_sequence
-from blockspec.decoding.step import decode_step, prefill_step
+from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import TreeDrafter
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
@@ -95,6 +95,7 @@ def replay_acceptance(target_model, drafter, prompt_ids: list[int], answer_ids: 
     prefill_step(target, sequence)
     while not sequence.finished:
         decode_step(target, [sequence])
+    end_sequence(sequence)
     return sequence.stats.acceptance_lengths
 
 

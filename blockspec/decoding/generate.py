@@ -18,7 +18,7 @@ from blockspec.decoding.fast import FastForward, StaticTarget, compile_choice, f
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.policy import AUTO, WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig, Sequence, SequenceView, new_sequence, widest_verify
-from blockspec.decoding.step import decode_step, prefill_step
+from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.drafters.base import Drafter
 
 
@@ -52,13 +52,16 @@ class TokenStream(SequenceView):
         sequence, device = self.sequence, self.model.device
         target = self._target()
         started = wall_clock(device)
-        step = prefill_step(target, sequence)
-        sequence.stats.time_to_first_token = sequence.stats.total_time = wall_clock(device) - started
-        yield step
-        while not sequence.finished:
-            (step,) = decode_step(target, [sequence])
-            sequence.stats.total_time = wall_clock(device) - started
+        try:
+            step = prefill_step(target, sequence)
+            sequence.stats.time_to_first_token = sequence.stats.total_time = wall_clock(device) - started
             yield step
+            while not sequence.finished:
+                (step,) = decode_step(target, [sequence])
+                sequence.stats.total_time = wall_clock(device) - started
+                yield step
+        finally:  # also when the caller stops early (a cancelled request)
+            end_sequence(sequence)
 
     def _target(self):
         """This sequence's target forwards: the fast path's static cache, or a dynamic cache of its own."""

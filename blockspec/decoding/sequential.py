@@ -51,9 +51,11 @@ class SequentialEngine:
         """An empty engine over the same model, drafter and width calibration (after a failed step)."""
         return SequentialEngine(self.model, self.drafter, width_policies=self.width_policies)
 
-    def add(self, input_ids, config: GenerationConfig | None = None) -> Row:
-        """Queue one sequence (ids [T] or [1, T]); its options are checked now, not when its turn comes."""
-        stream = TokenStream(self.model, input_ids, self.drafter, config or GenerationConfig(),
+    def add(self, input_ids, config: GenerationConfig | None = None, *, namespace: str | None = None) -> Row:
+        """Queue one sequence (ids [T] or [1, T]); its options are checked now, not when its turn comes.
+        ``namespace``: whose earlier answers a drafter that copies may read and keeps this one for."""
+        drafter = self.drafter.for_namespace(namespace) if self.drafter is not None else None
+        stream = TokenStream(self.model, input_ids, drafter, config or GenerationConfig(),
                              width_policies=self.width_policies)
         row = Row(next(self._ids), stream.sequence, wall_clock(self.model.device))
         self._streams[row.id] = stream

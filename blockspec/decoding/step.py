@@ -6,6 +6,7 @@
                    a prefix (or a tree path) and the target's next token; the target keeps the
                    accepted rows (``VerifyTarget.keep``, the rollback); the drafter commits them
                    with the target's features there.
+    end_sequence:  the drafter sees the whole answer (what a drafter that copies keeps).
 
 The single-sequence stream, the batch engine and replay differ only in the ``VerifyTarget``
 they pass (one sequence's cache, many rows in one padded forward, a recorded answer). Without
@@ -54,6 +55,12 @@ def prefill_step(target: VerifyTarget, sequence: Sequence) -> Step:
     if sequence.drafter is not None:
         sequence.draft_state = sequence.drafter.start(sequence.input_ids, out.features)
     return sequence.record(Step([sequence.last_token], 0, 0), decode=False)
+
+
+def end_sequence(sequence: Sequence) -> None:
+    """The sequence will not step again (finished or cancelled): its drafter sees the answer."""
+    if sequence.drafter is not None and sequence.draft_state is not None:
+        sequence.drafter.finish(sequence.draft_state, list(sequence.token_ids))
 
 
 def decode_step(target: VerifyTarget, sequences: list[Sequence]) -> list[Step]:

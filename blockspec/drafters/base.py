@@ -79,6 +79,15 @@ class Drafter(ABC):
     def commit(self, state: DraftState, tokens: torch.LongTensor, features: torch.Tensor | None) -> None:
         """Tokens [1, m] the target has now processed and kept, with their features [1, m, F]."""
 
+    def finish(self, state: DraftState, output_ids: list[int]) -> None:
+        """The sequence has ended (finished or cancelled) with this answer; a drafter that learns from
+        earlier answers keeps it. Most keep nothing."""
+
+    def for_namespace(self, namespace: str | None) -> "Drafter":
+        """This drafter as one tenant (a server's API key) sees it: one that learns from earlier answers
+        reads and keeps only that tenant's. Most are the same for every tenant."""
+        return self
+
 
 class TreeDrafter(Drafter):
     """A drafter that proposes a token tree: many candidate continuations, verified in one target forward."""

@@ -25,8 +25,8 @@ from blockspec.drafters.suffix_index import Continuation, SuffixIndex
 from blockspec.drafters.tree import Tree, build_tree
 from blockspec.errors import BlockspecError
 
-#: Runs of up to this many tokens are indexed; a match uses at most one less.
-DEFAULT_DEPTH = 32
+#: The longest suffix of a context that is looked for (tokens).
+DEFAULT_MAX_MATCH = 32
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -36,11 +36,11 @@ class SuffixStore:
     Shared by a server's requests (thread-safe: the engine thread reads while handlers finish requests).
     """
 
-    def __init__(self, max_tokens: int = 200_000, depth: int = DEFAULT_DEPTH):
+    def __init__(self, max_tokens: int = 1_000_000, max_match: int = DEFAULT_MAX_MATCH):
         if max_tokens < 1:
             raise BlockspecError(f"the suffix store's size must be >= 1 token, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.depth = depth
+        self.max_match = max_match
         self.indexes: dict[str | None, SuffixIndex] = {}
         self._order: OrderedDict[int, str | None] = OrderedDict()  # sequence id -> namespace, oldest first
         self._next_id = 0
@@ -56,13 +56,15 @@ class SuffixStore:
         if not tokens:
             return
         with self._lock:
-            index = self.indexes.setdefault(namespace, SuffixIndex(self.depth))
+            index = self.indexes.setdefault(namespace, SuffixIndex(self.max_match))
             index.extend(self._next_id, tokens)
             self._order[self._next_id] = namespace
             self._next_id += 1
             while self.tokens > self.max_tokens:
                 oldest, space = self._order.popitem(last=False)
                 self.indexes[space].remove(oldest)
+                if not self.indexes[space].tokens:
+                    del self.indexes[space]
 
     def continuations(self, namespace: str | None, context: list[int], budget: int, max_depth: int,
                       min_probability: float) -> tuple[list[Continuation], int]:
@@ -76,6 +78,7 @@ class SuffixState:
     """One sequence: its own index over prompt and output, and the tokens so far."""
 
     index: SuffixIndex
+    prompt_length: int
     tokens: list[int] = field(default_factory=list)
     device: torch.device = torch.device("cpu")
 
@@ -87,7 +90,7 @@ class SuffixDrafter(TreeDrafter):
 
     def __init__(self, store: SuffixStore | None = None, namespace: str | None = None, *,
                  block_size: int = DEFAULT_BLOCK_SIZE, depth_per_match: float = 4.0, min_probability: float = 0.1,
-                 depth: int = DEFAULT_DEPTH):
+                 max_match: int = DEFAULT_MAX_MATCH):
         if block_size < 1 or depth_per_match <= 0 or not 0 <= min_probability <= 1:
             raise BlockspecError("suffix drafting needs block_size >= 1, depth_per_match > 0 and "
                                  f"0 <= min_probability <= 1, got {block_size}, {depth_per_match}, {min_probability}")
@@ -96,21 +99,26 @@ class SuffixDrafter(TreeDrafter):
         self.default_block_size = block_size
         self.depth_per_match = depth_per_match
         self.min_probability = min_probability
-        self.depth = depth
+        self.max_match = max_match
 
     def for_namespace(self, namespace: str | None) -> "SuffixDrafter":
         """The same drafter over the same store, reading and remembering under ``namespace``."""
         return SuffixDrafter(self.store, namespace, block_size=self.default_block_size,
                              depth_per_match=self.depth_per_match, min_probability=self.min_probability,
-                             depth=self.depth)
+                             max_match=self.max_match)
 
     def remember(self, tokens: list[int]) -> None:
-        """Add a finished output to the shared store (nothing without one)."""
+        """Add a text (token ids) to the shared store (nothing without one)."""
         if self.store is not None:
             self.store.add(self.namespace, tokens)
 
+    def finish(self, state: SuffixState, output_ids: list[int]) -> None:
+        """Keep the answer, after the end of its prompt (so a request asked again matches from its first token)."""
+        prompt_tail = state.tokens[max(0, state.prompt_length - self.max_match):state.prompt_length]
+        self.remember(prompt_tail + list(output_ids))
+
     def start(self, prompt_ids, features) -> SuffixState:
-        state = SuffixState(SuffixIndex(self.depth), device=prompt_ids.device)
+        state = SuffixState(SuffixIndex(self.max_match), prompt_ids.shape[1], device=prompt_ids.device)
         self._append(state, prompt_ids[0].tolist())
         return state
 
@@ -129,7 +137,7 @@ class SuffixDrafter(TreeDrafter):
 
     def candidates(self, state: SuffixState, last_token: int, *, budget: int, max_depth: int) -> list[Continuation]:
         """The most probable continuations of the context and ``last_token``, from both indexes, merged."""
-        context = state.tokens + [last_token]
+        context = state.tokens[-self.max_match:] + [last_token]
         own, matched = _continuations(state.index, context, budget, max_depth, self.min_probability)
         shared, shared_match = ([], 0) if self.store is None else \
             self.store.continuations(self.namespace, context, budget, max_depth, self.min_probability)
@@ -142,10 +150,10 @@ class SuffixDrafter(TreeDrafter):
 
 
 def _continuations(index: SuffixIndex, context, budget, max_depth, min_probability):
-    node, length = index.match(context)
-    if node is None:
+    match, length = index.match(context)
+    if match is None:
         return [], 0
-    return index.continuations(node, budget, max_depth, min_probability), length
+    return index.continuations(match, budget, max_depth, min_probability), length
 
 
 def merge_paths(sources: list[list[Continuation]], budget: int, max_depth: int) -> list[Continuation]:
@@ -246,6 +254,10 @@ class HybridDrafter(TreeDrafter):
 
     def remember(self, tokens: list[int]) -> None:
         self.copies.remember(tokens)
+
+    def finish(self, state: HybridState, output_ids: list[int]) -> None:
+        self.primary.finish(state.primary, output_ids)
+        self.copies.finish(state.copies, output_ids)
 
     def start(self, prompt_ids, features) -> HybridState:
         return HybridState(self.primary.start(prompt_ids, features), self.copies.start(prompt_ids, None))
