@@ -296,3 +296,25 @@ def test_families_the_fast_path_does_not_run_decode_eagerly(arch):
     assert compile_choice(target, "auto")[0] is False
     with pytest.raises(BlockspecError, match="use --compile off"):
         compile_choice(target, "on")
+
+
+def test_sparse_indexed_attention_decodes_alone_and_refuses_drafts():
+    """DeepSeek-V3.2's indexer picks keys per forward (its own generate differs from a full forward), so a
+    verified block could part from token-by-token decoding: drafting is refused; plain decoding runs."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+
+    from blockspec.errors import BlockspecError
+
+    torch.manual_seed(0)
+    config = DeepseekV32Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                               moe_intermediate_size=32, index_n_heads=2, index_head_dim=16, index_topk=4,
+                               max_position_embeddings=512, initializer_range=0.2, experts_implementation="eager")
+    target = AutoModelForCausalLM.from_config(config).eval().double()
+    ids = prompts(320, count=1, seed=2)[0]
+    assert decode(target, ids, None, GenerationConfig(max_new_tokens=12)).token_ids == hf_greedy(target, ids, 12)
+    with pytest.raises(BlockspecError, match="deepseek_v32 targets cannot verify drafts losslessly"):
+        decode(target, ids, PromptLookupDrafter(), GenerationConfig(max_new_tokens=12))

@@ -26,7 +26,15 @@ from functools import partial
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+)
 
 from blockspec.errors import BlockspecError
 
@@ -51,10 +59,26 @@ def new_target_cache(model) -> DynamicCache:
 
 
 def check_rollback(cache: DynamicCache, model) -> None:
-    unknown = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in ROLLBACK_LAYERS})
+    """Refuse a target with cache layers that can be neither rolled back here nor cropped by their own class."""
+    unknown = sorted({type(layer).__name__ for layer in cache.layers
+                      if type(layer) not in ROLLBACK_LAYERS and not _crops_itself(layer)})
     if unknown:
         raise BlockspecError(f"{model.config.model_type} targets are not supported: their {', '.join(unknown)} cache "
                              "layers cannot be rolled back after rejected drafts")
+
+
+def _crops_itself(layer) -> bool:
+    """A per-position layer of another kind (an indexer's keys beside the keys) whose own crop undoes a chain."""
+    return isinstance(layer, CacheLayerMixin) and getattr(layer, "is_croppable", False)
+
+
+def drafting_unsupported_reason(model) -> str | None:
+    """Why drafts cannot be verified losslessly on ``model`` (None: they can)."""
+    cache = DynamicCache(config=model.config)
+    if any(isinstance(layer, DynamicIndexedLayer) for layer in cache.layers):
+        return ("its indexed sparse attention chooses the keys it reads per forward, so a verified block can "
+                "differ from decoding token by token")
+    return None
 
 
 def tree_unsupported_reason(model) -> str | None:
@@ -62,6 +86,9 @@ def tree_unsupported_reason(model) -> str | None:
     cache = DynamicCache(config=model.config)
     if any(type(layer) is LinearAttentionLayer for layer in cache.layers):
         return "its linear-attention layers carry one state along one sequence, not along a tree's branches"
+    others = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in ROLLBACK_LAYERS})
+    if others:
+        return f"its {', '.join(others)} cache layers are rolled back by their own crop, which keeps a prefix only"
     text_config = model.config.get_text_config(decoder=True)
     other = sorted(set(getattr(text_config, "layer_types", None) or []) - set(TREE_LAYER_TYPES) - {"moe", "mlp"})
     if other:
@@ -90,6 +117,8 @@ def rewind_cache(cache: DynamicCache, past_length: int, width: int, kept_rows: l
             _rewind_sliding(layer, width, kept_rows, chain)
         elif type(layer) is DynamicLayer and layer.is_initialized:
             _rewind_attention(layer, past_length, width, kept_rows, chain)
+        elif type(layer) not in ROLLBACK_LAYERS:  # its own crop (only chains reach it: no tree mask for it)
+            layer.crop(len(kept_rows) - width)
 
 
 def _rewind_attention(layer: DynamicLayer, past_length: int, width: int, kept_rows: list[int], chain: bool) -> None:
@@ -248,6 +277,7 @@ class BatchCache:
 
     def append_row(self, row_cache: DynamicCache, prompt_length: int) -> None:
         """Splice a row prefilled on its own into the batch (both left-padded to a common length)."""
+        _check_batchable(row_cache)
         _unwindow(row_cache)
         device = _device_of(row_cache)
         row_valid = torch.ones(1, prompt_length, dtype=torch.bool, device=device)
@@ -347,6 +377,13 @@ class BatchCache:
             layer.values = _left_pad(layer.values, columns)
         self.valid = torch.nn.functional.pad(self.valid, (columns, 0))
         self.positions = torch.nn.functional.pad(self.positions, (columns, 0))
+
+
+def _check_batchable(cache: DynamicCache) -> None:
+    others = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in ROLLBACK_LAYERS})
+    if others:
+        raise BlockspecError(f"batched decoding cannot splice this target's {', '.join(others)} cache layers: "
+                             "decode it one sequence at a time with speculative_generate")
 
 
 def _unwindow(cache: DynamicCache) -> None:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from blockspec.decoding.cache import tree_unsupported_reason
+from blockspec.decoding.cache import drafting_unsupported_reason, tree_unsupported_reason
 from blockspec.decoding.policy import AUTO, AdaptiveWidth, check_block_size
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 
@@ -216,6 +216,7 @@ def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationCo
     """A sequence ready for its prefill, its options checked (they fail here, not mid-decoding)."""
     ids = as_batch_of_one(input_ids, model.device)
     check_tree_drafter(drafter, config.tree_budget)
+    check_drafting_target(model, drafter)
     config = chain_unless_trees_verify(model, config)
     return Sequence(input_ids=ids, config=config, drafter=drafter,
                     block_size=resolve_block_size(drafter, config.block_size),
@@ -238,6 +239,14 @@ def check_tree_drafter(drafter: Drafter | None, tree_budget: int | None) -> None
     if tree_budget and not isinstance(drafter, TreeDrafter):
         raise BlockspecError("tree verification (--tree-budget) drafts from one pass's per-position distributions: "
                              f"it needs the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
+
+
+def check_drafting_target(model, drafter: Drafter | None) -> None:
+    """Drafts are verified only on targets whose block verify equals decoding token by token."""
+    reason = None if drafter is None else drafting_unsupported_reason(model)
+    if reason is not None:
+        raise BlockspecError(f"{model.config.model_type} targets cannot verify drafts losslessly: {reason}; "
+                             "decode without a drafter")
 
 
 def chain_unless_trees_verify(model, config: GenerationConfig) -> GenerationConfig:
