@@ -434,3 +434,27 @@ def test_staging_left_by_a_kill_is_removed_and_old_checkpoints_pruned(learned_ta
     assert not (tmp_path / ".draft.abc").exists()
     trainer.run()
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-0000004", "step-0000005"]
+
+
+# -- found by the fuzzer ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
+    (["--api-key", "\udcff\udcfe"], "--api-key must be printable ASCII"),
+])
+def test_loadtest_refuses_a_timeout_or_key_it_cannot_use(capsys, args, message):
+    assert message in cli_error(capsys, "loadtest", "--url", "http://127.0.0.1:9", *args)
+
+
+def test_a_key_that_cannot_travel_in_a_header_is_refused():
+    from blockspec.errors import BlockspecError
+
+    with pytest.raises(BlockspecError, match="printable ASCII"):
+        create_app(None, None, api_key="clé")
+
+
+def test_a_library_error_over_several_lines_is_one_line(capsys):
+    from blockspec.cli import fail
+
+    assert fail("could not load: no network.\nCheck your connection.", 2) == 2
+    assert capsys.readouterr().err == "blockspec: error: could not load: no network. Check your connection.\n"

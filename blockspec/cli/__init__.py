@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fail(message: str, code: int) -> int:
-    print(f"blockspec: error: {message}", file=sys.stderr)
+    """One line of error (a library's message over several lines joined into one)."""
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"blockspec: error: {line}", file=sys.stderr)
     return code
 
 

@@ -72,6 +72,8 @@ def api_key_of(args) -> str | None:
         key, source = os.environ.get(API_KEY_VARIABLE), f"${API_KEY_VARIABLE}"
     if key is not None and not key.strip():
         raise BlockspecError(f"{source} is empty: give a key, or leave it out to serve without one")
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise BlockspecError(f"{source} must be printable ASCII characters (the key travels in an HTTP header)")
     return key
 
 

@@ -6,7 +6,6 @@ the engine thread starts and stops with the app's lifespan.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -19,12 +18,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
+from blockspec.serve.auth import APIKeyGuard, check_api_key
 from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
 from blockspec.serve.limits import check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
@@ -45,8 +44,7 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
-    if api_key is not None and not api_key.strip():
-        raise BlockspecError("the API key is empty: give a key, or none to serve without authentication")
+    check_api_key(api_key)
     decoding = decoding or DecodingOptions()
     check_decoding(target.model, drafter, decoding)
     metrics = ServerMetrics()
@@ -97,6 +95,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
+        if error.status_code == 400:  # FastAPI's only own 400: a body that does not parse
+            return bad_request("the request body could not be read as JSON: send a UTF-8 JSON object",
+                               code="invalid_json").response()
         code = "not_found" if error.status_code == 404 else None
         return APIError(error.status_code, str(error.detail), code=code).response()
 
@@ -144,27 +145,6 @@ def _param_path(path: list) -> str:
     for part in path:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
-
-
-class APIKeyGuard:
-    """ASGI middleware refusing /v1 requests without ``Authorization: Bearer <api_key>``, before their
-    body is read (a client without the key learns nothing about its request)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-            return await error.response()(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        scheme, _, given = Headers(scope=scope).get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"),
-                                                                  self.api_key)
 
 
 class UnexpectedErrors:

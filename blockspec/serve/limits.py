@@ -13,9 +13,6 @@ from blockspec.decoding.sequence import GenerationConfig, widest_verify
 from blockspec.errors import BlockspecError
 from blockspec.training.memory import available_memory
 
-#: The seeds a torch generator takes (its 64-bit state, signed or not).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-
 #: Below this a temperature counts as 0 (greedy), as in vLLM: logits divided by less overflow float32.
 MIN_TEMPERATURE = 1e-5
 #: A nucleus narrower than this keeps the most probable token alone, its limit as top_p -> 0
@@ -67,3 +64,4 @@ def check_verify_size(model, drafter, config: GenerationConfig) -> None:
                              f"and at most {limit} are allowed ({why}): give --tree-budget {limit - 1} or less")
     raise BlockspecError(f"--block-size {widest} is too large: at most {limit} tokens are verified per step "
                          f"({why}): give --block-size {limit} or less")
+

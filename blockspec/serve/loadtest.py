@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from blockspec.errors import BlockspecError
+from blockspec.serve.auth import check_api_key
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_PROMPT = "Write a short story about a robot learning to paint."
@@ -121,8 +123,9 @@ def run_loadtest(url: str, *, concurrency: int, requests: int, max_tokens: int =
     for name, value in (("concurrency", concurrency), ("requests", requests), ("max_tokens", max_tokens)):
         if value < 1:
             raise BlockspecError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if timeout <= 0:
-        raise BlockspecError(f"--timeout must be > 0 seconds, got {timeout}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise BlockspecError(f"--timeout must be a number of seconds > 0, got {timeout}")
+    check_api_key(api_key)
     return asyncio.run(_run(base, concurrency, requests, max_tokens, prompts, timeout, model, api_key, temperature))
 
 

@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from blockspec.serve.limits import SEED_MAX, SEED_MIN
+#: The seeds a torch generator takes (its 64-bit state, signed or not).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class APIError(Exception):
@@ -67,8 +68,8 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: Text
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     #: Not OpenAI's, but common in compatible servers; 0 keeps every token.
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
