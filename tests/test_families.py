@@ -318,3 +318,23 @@ def test_sparse_indexed_attention_decodes_alone_and_refuses_drafts():
     assert decode(target, ids, None, GenerationConfig(max_new_tokens=12)).token_ids == hf_greedy(target, ids, 12)
     with pytest.raises(BlockspecError, match="deepseek_v32 targets cannot verify drafts losslessly"):
         decode(target, ids, PromptLookupDrafter(), GenerationConfig(max_new_tokens=12))
+
+
+def test_gemma4_as_published_a_multimodal_model_decodes_text():
+    """Gemma 4 checkpoints load as Gemma4ForConditionalGeneration (a text config inside a multimodal one)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4Config
+
+    from helpers import tiny_config
+
+    torch.manual_seed(0)
+    config = Gemma4Config(text_config=tiny_config("gemma4", 320, initializer_range=0.2).to_dict(),
+                          vision_config=None, audio_config=None)
+    target = AutoModelForCausalLM.from_config(config).eval().double()
+    drafter = DFlashDrafter(make_dflash(target, block_size=8), target)
+    cases = prompts(320, count=3, seed=1)
+    answers = [hf_greedy(target, ids, NEW_TOKENS) for ids in cases]
+    tree = GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=8)
+    assert [decode(target, ids, drafter, tree).token_ids for ids in cases] == answers
+    batch = batch_generate(target, cases, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS))
+    assert [row.token_ids for row in batch] == answers
