@@ -300,7 +300,8 @@ def test_families_the_fast_path_does_not_run_decode_eagerly(arch):
 
 def test_sparse_indexed_attention_decodes_alone_and_refuses_drafts():
     """DeepSeek-V3.2's indexer picks keys per forward (its own generate differs from a full forward), so a
-    verified block could part from token-by-token decoding: drafting is refused; plain decoding runs."""
+    verified block could part from token-by-token decoding: drafting is refused, and batching (its indexer
+    keys are not spliced); plain decoding of one sequence runs."""
     from transformers import AutoModelForCausalLM
     from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
 
@@ -318,6 +319,8 @@ def test_sparse_indexed_attention_decodes_alone_and_refuses_drafts():
     assert decode(target, ids, None, GenerationConfig(max_new_tokens=12)).token_ids == hf_greedy(target, ids, 12)
     with pytest.raises(BlockspecError, match="deepseek_v32 targets cannot verify drafts losslessly"):
         decode(target, ids, PromptLookupDrafter(), GenerationConfig(max_new_tokens=12))
+    with pytest.raises(BlockspecError, match="batched decoding cannot hold this target's DynamicIndexedLayer"):
+        batch_generate(target, [ids], None, GenerationConfig(max_new_tokens=12))
 
 
 def test_gemma4_as_published_a_multimodal_model_decodes_text():

@@ -1,8 +1,10 @@
 """Batched speculative decoding: many sequences, one target forward per step, the one step.
 
 Each step, every active row drafts from its own drafter state; the rows' blocks
-[last token, drafts...] are right-padded to a common width and the target verifies all of
-them in ONE forward; the verifier then runs per row, so rows accept different lengths.
+[last token, drafts...] (a chain, or a token tree's nodes) are right-padded to a common width
+and the target verifies all of them in ONE forward; the verifier then runs per row, so rows
+accept different lengths (a tree row its own path: each of its nodes sees its ancestors only,
+at the position of its depth).
 
 The target's KV cache is one ``BatchCache`` [B, H, L, d] shared by all rows, with a validity
 mask [B, L] over its columns (``blockspec.decoding.cache``). The causal part of the attention
@@ -26,12 +28,13 @@ from typing import Iterator
 import torch
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.cache import BatchCache, LinearStates, new_target_cache, sliding_window_of
+from blockspec.decoding.cache import BatchCache, LinearStates, check_batchable, new_target_cache, sliding_window_of
 from blockspec.decoding.fast import StaticBatchTarget, compile_choice, fast_forward
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.policy import AUTO
 from blockspec.decoding.sequence import GenerationConfig, GenerationStats, Sequence, SequenceView, Step, new_sequence
-from blockspec.decoding.step import decode_step, prefill_step
+from blockspec.decoding.static_cache import block_visibility
+from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import Drafter
 from blockspec.errors import BlockspecError
@@ -68,6 +71,7 @@ class BatchTarget:
         self.model = model
         self.feature_layers = feature_layers
         self.pad_token_id = pad_token_id
+        check_batchable(model)
         self.cache = BatchCache(model.config)
         template = new_target_cache(model)
         self.linear = LinearStates(model, template)
@@ -95,8 +99,12 @@ class BatchTarget:
             block_valid[r, :block.width] = True
         starts = torch.tensor([block.start for block in blocks], device=device)
         position_ids = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
+        trees = [r for r, block in enumerate(blocks) if block.tree is not None]
+        for r in trees:
+            position_ids[r, :blocks[r].width] = blocks[r].position_ids(device)[0]
+        visible = _block_visibilities(blocks, width) if trees else None
         with self.linear.recording(self.cache.kv):
-            out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(block_valid, position_ids),
+            out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(block_valid, position_ids, visible),
                              position_ids=position_ids, cache=self.cache.kv, use_cache=True,
                              output_hidden_states=self.feature_layers is not None, **self._options)
         self._block_valid, self._block_positions = block_valid, position_ids
@@ -120,12 +128,16 @@ class BatchTarget:
     def reserve(self, length: int) -> None:
         """Nothing to do: the dynamic cache grows as it goes."""
 
-    def _attention_mask(self, block_valid: torch.Tensor, position_ids: torch.Tensor):
-        """The 2D key mask; with sliding-window layers, 4D masks per layer type (their window follows positions)."""
-        if self._window is None:
+    def _attention_mask(self, block_valid: torch.Tensor, position_ids: torch.Tensor, visible: torch.Tensor | None):
+        """The 2D key mask; with token trees (``visible``: what each block row sees of its block) or
+        sliding-window layers, 4D masks (per layer type where windows differ: they follow positions)."""
+        if self._window is None and visible is None:
             return self.cache.attention_mask(block_valid)
+        if self._window is None:
+            return self.cache.attention_masks(block_valid, position_ids, ["full_attention"], None, self.model.dtype,
+                                              visible)["full_attention"]
         masks = self.cache.attention_masks(block_valid, position_ids, self._layer_types or ["sliding_attention"],
-                                           self._window, self.model.dtype)
+                                           self._window, self.model.dtype, visible)
         return masks if self._layer_types is not None else masks["sliding_attention"]
 
     def _features(self, hidden_states, row: int, length: int | None = None) -> torch.Tensor | None:
@@ -133,6 +145,15 @@ class BatchTarget:
             return None
         features = layer_features([h[row:row + 1] for h in hidden_states], self.feature_layers)
         return features if length is None else features[:, :length]
+
+
+def _block_visibilities(blocks: list[VerifyBlock], width: int) -> torch.Tensor:
+    """[B, W, W]: what each row of each block sees of its block (a chain its prefix, a tree node its path)."""
+    visible = torch.ones(len(blocks), width, width, dtype=torch.bool).tril()
+    for r, block in enumerate(blocks):
+        if block.tree is not None:
+            visible[r, :block.width, :block.width] = block_visibility(block.width, block.tree.parents)
+    return visible
 
 
 class BatchEngine:
@@ -185,18 +206,17 @@ class BatchEngine:
         """An empty engine over the same model and drafter (after a failed step)."""
         return BatchEngine(self.model, self.drafter, max_batch_size=self.max_batch_size, compile=self.compile)
 
-    def add(self, input_ids, config: GenerationConfig | None = None) -> Row:
-        """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step."""
+    def add(self, input_ids, config: GenerationConfig | None = None, *, namespace: str | None = None) -> Row:
+        """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step. Each row verifies a chain
+        or a token tree of its own (``config.tree_budget``). ``namespace``: whose earlier answers a drafter
+        that copies may read and keeps this one for."""
         config = config or GenerationConfig()
         if config.block_size == AUTO:
             raise BlockspecError("block_size 'auto' chooses widths for one sequence at a time; batched decoding "
                                  "verifies a fixed width: give a number (a server started with --block-size auto "
                                  "decodes requests one at a time)")
-        if config.tree_budget:
-            raise BlockspecError("a token tree is shaped for one sequence at a time; batched decoding verifies a "
-                                 "fixed width of chained drafts: drop tree_budget (a server started with "
-                                 "--tree-budget decodes requests one at a time)")
-        row = Row(next(self._ids), new_sequence(self.model, input_ids, self.drafter, config), wall_clock(self.device))
+        drafter = self.drafter.for_namespace(namespace) if self.drafter is not None else None
+        row = Row(next(self._ids), new_sequence(self.model, input_ids, drafter, config), wall_clock(self.device))
         self.waiting.append(row)
         return row
 
@@ -254,6 +274,9 @@ class BatchEngine:
 
     def _drop_finished(self) -> None:
         keep = [i for i, row in enumerate(self.rows) if not row.finished]
+        for row in self.rows:
+            if row.finished:
+                end_sequence(row.sequence)
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             self.target.keep_sequences(keep)

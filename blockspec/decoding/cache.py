@@ -249,6 +249,21 @@ def _state_view(like: LinearAttentionLayer, conv: dict, recurrent: dict) -> Line
 # Many rows in one cache
 # ---------------------------------------------------------------------------
 
+#: Layer types of a config that a batch's masks express (the rest hold no keys).
+BATCH_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "moe", "mlp")
+
+
+def check_batchable(model) -> None:
+    """Refuse, in one line, a target whose cache layers or attention kinds a batch cannot hold."""
+    cache = DynamicCache(config=model.config)
+    others = {type(layer).__name__ for layer in cache.layers if type(layer) not in ROLLBACK_LAYERS}
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    others |= set(layer_types) - set(BATCH_LAYER_TYPES)
+    if others:
+        raise BlockspecError(f"batched decoding cannot hold this target's {', '.join(sorted(others))} layers: "
+                             "decode it one sequence at a time with speculative_generate")
+
+
 class BatchCache:
     """The target's cache for all rows, with a per-row validity mask and position over its columns.
 
@@ -277,7 +292,6 @@ class BatchCache:
 
     def append_row(self, row_cache: DynamicCache, prompt_length: int) -> None:
         """Splice a row prefilled on its own into the batch (both left-padded to a common length)."""
-        _check_batchable(row_cache)
         _unwindow(row_cache)
         device = _device_of(row_cache)
         row_valid = torch.ones(1, prompt_length, dtype=torch.bool, device=device)
@@ -317,16 +331,19 @@ class BatchCache:
         return torch.cat([self.valid, block_valid], dim=1)
 
     def attention_masks(self, block_valid: torch.Tensor, block_positions: torch.Tensor, layer_types: list[str],
-                        window: int, dtype) -> dict[str, torch.Tensor]:
-        """Additive 4D masks [B, 1, W, L + W] per layer type, for targets with sliding-window layers:
-        a column is seen where it is valid and not after the query (by column), and, in a sliding
-        layer, within the window by position."""
+                        window: int | None, dtype, block_visible: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Additive 4D masks [B, 1, W, L + W] per layer type: a column is seen where it is valid and the
+        query sees it within the block (``block_visible`` [B, W, W]: a token tree's ancestors; default: the
+        columns up to the query's), and, in a sliding layer, within the window by position."""
         width = block_valid.shape[1]
         seen = self.attention_mask(block_valid).unsqueeze(1).expand(-1, width, -1).clone()
-        seen[:, :, self.length:] &= torch.ones(width, width, dtype=torch.bool, device=seen.device).tril()
-        key_positions = torch.cat([self.positions, block_positions], dim=1)
-        in_window = block_positions.unsqueeze(2) - key_positions.unsqueeze(1) < window
-        masks = {"full_attention": seen, "sliding_attention": seen & in_window}
+        if block_visible is None:
+            block_visible = torch.ones(width, width, dtype=torch.bool).tril()
+        seen[:, :, self.length:] &= block_visible.to(seen.device)
+        masks = {"full_attention": seen}
+        if window is not None:
+            key_positions = torch.cat([self.positions, block_positions], dim=1)
+            masks["sliding_attention"] = seen & (block_positions.unsqueeze(2) - key_positions.unsqueeze(1) < window)
         return {kind: _additive(masks[kind], dtype) for kind in set(layer_types) if kind in masks}
 
     def settle(self, block_valid: torch.Tensor, block_positions: torch.Tensor) -> None:
@@ -377,13 +394,6 @@ class BatchCache:
             layer.values = _left_pad(layer.values, columns)
         self.valid = torch.nn.functional.pad(self.valid, (columns, 0))
         self.positions = torch.nn.functional.pad(self.positions, (columns, 0))
-
-
-def _check_batchable(cache: DynamicCache) -> None:
-    others = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in ROLLBACK_LAYERS})
-    if others:
-        raise BlockspecError(f"batched decoding cannot splice this target's {', '.join(others)} cache layers: "
-                             "decode it one sequence at a time with speculative_generate")
 
 
 def _unwindow(cache: DynamicCache) -> None:
