@@ -105,6 +105,37 @@ def test_sampled_rows_are_reproducible_and_match_the_row_alone(target, method):
         assert a.token_ids == alone(target, ids, prototype, config).token_ids
 
 
+def tree_prototypes(target):
+    from blockspec.drafters.suffix import HybridDrafter, SuffixDrafter
+
+    dflash = DFlashDrafter(make_dflash(target, block_size=8), target)
+    return {"dflash": dflash, "dflash+ngram": HybridDrafter(dflash, SuffixDrafter(None), name="dflash+ngram")}
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash+ngram"])
+def test_rows_verifying_token_trees_equal_rows_decoded_alone(target, method):
+    """Rows of one batch verify trees of different shapes (and some a chain) in one forward."""
+    prototype = tree_prototypes(target)[method]
+    cases = mixed_prompts()
+    configs = [GenerationConfig(max_new_tokens=14 + i, tree_budget=[6, 12, None][i % 3], block_size=8)
+               for i in range(len(cases))]
+    results = batch_generate(target, cases, prototype, configs, max_batch_size=4)
+    for ids, config, result in zip(cases, configs, results):
+        expected = alone(target, ids, prototype, config)
+        assert result.token_ids == expected.token_ids
+        assert result.stats.acceptance_lengths == expected.stats.acceptance_lengths
+    assert any(n > 1 for r in results for n in r.stats.acceptance_lengths)
+
+
+def test_sampled_tree_rows_match_the_row_alone(target):
+    prototype = tree_prototypes(target)["dflash+ngram"]
+    cases = mixed_prompts()[:4]
+    configs = [GenerationConfig(max_new_tokens=12, temperature=0.8, seed=7 + i, tree_budget=8, block_size=8)
+               for i in range(len(cases))]
+    for ids, config, result in zip(cases, configs, batch_generate(target, cases, prototype, configs)):
+        assert result.token_ids == alone(target, ids, prototype, config).token_ids
+
+
 def test_cancelled_row_leaves_and_the_others_continue(target):
     cases = mixed_prompts()[:3]
     config = GenerationConfig(max_new_tokens=12)
@@ -155,7 +186,7 @@ def test_bad_input_is_refused_clearly(target):
         engine.add([5, 6], GenerationConfig(block_size=4))
     with pytest.raises(BlockspecError, match="batched decoding verifies a fixed width"):
         BatchEngine(target, PromptLookupDrafter()).add([5, 6], GenerationConfig(block_size="auto"))
-    with pytest.raises(BlockspecError, match="token tree is shaped for one sequence at a time"):
+    with pytest.raises(BlockspecError, match="a token tree needs a drafter that proposes one"):
         BatchEngine(target, PromptLookupDrafter()).add([5, 6], GenerationConfig(tree_budget=4))
     with pytest.raises(BlockspecError, match="one each"):
         batch_generate(target, [[5, 6]], None, [GenerationConfig()] * 2)

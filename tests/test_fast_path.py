@@ -204,16 +204,18 @@ def test_sampling_through_the_compiled_path_follows_the_target():
 
 # --- batches through the fast path ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "ngram"])
+@pytest.mark.parametrize("method", ["ar", "dflash", "ngram", "dflash trees"])
 def test_batched_rows_through_the_fast_path_equal_rows_decoded_alone(world, method):
     from blockspec.decoding.batch import BatchEngine
     from blockspec.drafters.ngram import PromptLookupDrafter
 
     target, references = world
-    drafter = {"ar": None, "ngram": PromptLookupDrafter(block_size=6),
-               "dflash": DFlashDrafter(make_dflash(target, block_size=8), target, packed=True)}[method]
+    dflash = DFlashDrafter(make_dflash(target, block_size=8), target, packed=True)
+    drafter = {"ar": None, "ngram": PromptLookupDrafter(block_size=6), "dflash": dflash, "dflash trees": dflash}[method]
+    trees = [6, None, 10] if method == "dflash trees" else [None]  # rows of one batch: trees and a chain
     engine = BatchEngine(target, drafter, max_batch_size=3, compile="on")
-    configs = [GenerationConfig(max_new_tokens=8 + 2 * i, stop_token_ids=(expected[5],) if i % 3 == 0 else ())
+    configs = [GenerationConfig(max_new_tokens=8 + 2 * i, stop_token_ids=(expected[5],) if i % 3 == 0 else (),
+                                tree_budget=trees[i % len(trees)])
                for i, (_, expected) in enumerate(references)]
     rows = [engine.add(ids, config) for (ids, _), config in zip(references[:4], configs)]
     steps = 0

@@ -56,7 +56,7 @@ def test_replay_matches_the_live_loop_for_real_drafters(world, method):
 def test_replay_refuses_what_the_loop_refuses(world):
     target, references = world
     ids, answer = references[0]
-    with pytest.raises(BlockspecError, match="tree replay needs a one-pass drafter"):
+    with pytest.raises(BlockspecError, match="tree replay needs a drafter that proposes token trees"):
         replay_acceptance(target, PromptLookupDrafter(), ids[0].tolist(), answer, tree_budget=8)
     drafter = DFlashDrafter(make_dflash(target, block_size=8), target)
     with pytest.raises(BlockspecError, match="above what dflash drafts"):

@@ -118,7 +118,7 @@ def test_trees_need_a_one_pass_drafter():
     from blockspec.drafters.ngram import PromptLookupDrafter
 
     target = make_causal_lm("llama", vocab_size=320)
-    with pytest.raises(BlockspecError, match="needs the dflash drafter, not ngram"):
+    with pytest.raises(BlockspecError, match="a token tree needs a drafter that proposes one .*, not ngram"):
         speculative_generate(target, torch.tensor([[5, 6]]), PromptLookupDrafter(), GenerationConfig(tree_budget=8))
     with pytest.raises(BlockspecError, match="tree_budget must be >= 1"):
         GenerationConfig(tree_budget=0)

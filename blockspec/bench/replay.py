@@ -80,7 +80,7 @@ def replay_acceptance(target_model, drafter, prompt_ids: list[int], answer_ids: 
     if max_new_tokens < len(answer_ids):
         raise BlockspecError(f"the answer has {len(answer_ids)} tokens, more than max_new_tokens={max_new_tokens}")
     if tree_budget and not isinstance(drafter, TreeDrafter):
-        raise BlockspecError(f"tree replay needs a one-pass drafter (dflash), not {drafter.name}")
+        raise BlockspecError(f"tree replay needs a drafter that proposes token trees, not {drafter.name}")
     width = block_size or drafter.default_block_size
     if drafter.max_draft_tokens is not None and width - 1 > drafter.max_draft_tokens:
         raise BlockspecError(f"block size {width} is above what {drafter.name} drafts "

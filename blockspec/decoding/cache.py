@@ -113,11 +113,11 @@ def rewind_cache(cache: DynamicCache, past_length: int, width: int, kept_rows: l
     """
     chain = kept_rows == list(range(len(kept_rows)))
     for layer in cache.layers:
-        if type(layer) is DynamicSlidingWindowLayer:
+        if type(layer) is DynamicSlidingWindowLayer and layer.is_initialized:
             _rewind_sliding(layer, width, kept_rows, chain)
         elif type(layer) is DynamicLayer and layer.is_initialized:
             _rewind_attention(layer, past_length, width, kept_rows, chain)
-        elif type(layer) not in ROLLBACK_LAYERS:  # its own crop (only chains reach it: no tree mask for it)
+        elif type(layer) not in ROLLBACK_LAYERS:  # its own crop (only chains reach it: it has no tree mask)
             layer.crop(len(kept_rows) - width)
 
 

@@ -235,10 +235,11 @@ def widest_verify(drafter: Drafter | None, config: GenerationConfig) -> int:
 
 
 def check_tree_drafter(drafter: Drafter | None, tree_budget: int | None) -> None:
-    """A token tree is drafted from one pass's per-position distributions: only tree drafters offer them."""
+    """Only a tree drafter proposes a token tree."""
     if tree_budget and not isinstance(drafter, TreeDrafter):
-        raise BlockspecError("tree verification (--tree-budget) drafts from one pass's per-position distributions: "
-                             f"it needs the dflash drafter, not {'no drafter' if drafter is None else drafter.name}")
+        raise BlockspecError("a token tree needs a drafter that proposes one (dflash, suffix, dflash+suffix, "
+                             f"dflash+ngram), not {'no drafter' if drafter is None else drafter.name}: "
+                             "drop --tree-budget or choose one of those methods")
 
 
 def check_drafting_target(model, drafter: Drafter | None) -> None:
