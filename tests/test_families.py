@@ -341,3 +341,29 @@ def test_gemma4_as_published_a_multimodal_model_decodes_text():
     assert [decode(target, ids, drafter, tree).token_ids for ids in cases] == answers
     batch = batch_generate(target, cases, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS))
     assert [row.token_ids for row in batch] == answers
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+@pytest.mark.parametrize("context_length", [3, 20])
+def test_a_tree_path_kept_on_a_sliding_window_target_continues_exactly(arch, context_length):
+    """Inside the window and past it: once a tree's path is kept, the cache holds what a cache that saw only
+    the context and the path holds, and the next forward gives the same logits."""
+    from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+    from blockspec.drafters.tree import Tree
+
+    target = make_causal_lm(arch).double()
+    context = torch.randint(4, 320, (1, context_length), generator=torch.Generator().manual_seed(0))
+    tree = Tree(tokens=[11, 12, 13, 14, 15], parents=[-1, -1, 0, 1, 3], depths=[1, 1, 2, 2, 3])
+    tree_target, chain_target = SequenceTarget(target, None), SequenceTarget(target, None)
+    with torch.inference_mode():
+        for sequence in (tree_target, chain_target):
+            sequence.prefill(context)
+        tree_target.verify([VerifyBlock([10, *tree.tokens], context_length, tree)])
+        tree_target.keep([[0, 2, 4, 5]])  # the root, then nodes 1, 3 and 4: tokens 12, 14, 15
+        chain_target.verify([VerifyBlock([10, 12, 14, 15], context_length)])
+        chain_target.keep([[0, 1, 2, 3]])
+        after = [s.verify([VerifyBlock([16, 17], context_length + 4)])[0].scores.logits
+                 for s in (tree_target, chain_target)]
+    for ours, theirs in zip(tree_target.cache.layers, chain_target.cache.layers):
+        assert ours.get_seq_length() == theirs.get_seq_length() and torch.allclose(ours.keys, theirs.keys)
+    assert torch.allclose(after[0], after[1], atol=1e-9)
