@@ -1,5 +1,5 @@
 """Every target family with a public DFlash draft decodes losslessly: greedy output equals Hugging Face
-``generate`` token for token, for every method, as a chain, a tree and a batch.
+``generate`` token for token, for every method, as a chain, a tree and a batch (of chains or trees).
 
 The targets are tiny random models built from transformers' own classes (``tests/helpers.py``
 FAMILY_CONFIGS), in float64: full attention (llama, qwen2, qwen3), MoE (qwen3_moe), Gated
@@ -124,9 +124,10 @@ def tree_outputs(family: Family, method: str, first: int, count: int) -> dict[in
             for i in range(first, count)}
 
 
-def batch_outputs(family: Family, method: str, first: int, count: int) -> dict[int, list[int]]:
+def batch_outputs(family: Family, method: str, first: int, count: int, tree_budget: int | None = None
+                  ) -> dict[int, list[int]]:
     """Three rows at a time, rows joining as others finish."""
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=tree_budget, tree_top_k=3)
     indices = list(range(first, count))
     drafter = PromptOracle([family.reference(i) for i in indices], 320) if method == "oracle" else \
         family.drafter(method, 0)
@@ -134,7 +135,12 @@ def batch_outputs(family: Family, method: str, first: int, count: int) -> dict[i
     return {i: result.token_ids for i, result in zip(indices, results)}
 
 
-SHAPES = {"chain": (chain_outputs, METHODS), "tree": (tree_outputs, TREE_METHODS), "batch": (batch_outputs, METHODS)}
+def batch_tree_outputs(family: Family, method: str, first: int, count: int) -> dict[int, list[int]]:
+    return batch_outputs(family, method, first, count, tree_budget=10)
+
+
+SHAPES = {"chain": (chain_outputs, METHODS), "tree": (tree_outputs, TREE_METHODS), "batch": (batch_outputs, METHODS),
+          "batch-tree": (batch_tree_outputs, TREE_METHODS)}
 CELLS = [(shape, method) for shape, (_, methods) in SHAPES.items() for method in methods]
 
 
