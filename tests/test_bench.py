@@ -181,8 +181,8 @@ def test_method_and_draft_options():
     with pytest.raises(BlockspecError, match="empty"):
         parse_methods(" , ", {}, None)
     drafts = parse_drafts(["eagle3=/e", "mtp=/m", "draft=/d"], "some/target")
-    assert parse_methods(None, drafts, None) == ["ar", "hf", "hf-prompt-lookup", "ngram", "eagle3", "mtp", "draft",
-                                                 "hf-assisted"]
+    assert parse_methods(None, drafts, None) == ["ar", "hf", "hf-prompt-lookup", "ngram", "suffix", "eagle3", "mtp",
+                                                 "draft", "hf-assisted"]
     with pytest.raises(BlockspecError, match="METHOD must be one of dflash, eagle3, mtp, draft"):
         parse_drafts(["eagle=/e"], "some/target")
 

@@ -35,6 +35,9 @@ DATASET_FILES = {
     "mbpp": "mbpp.jsonl",
     "mt_bench": "mt_bench.jsonl",
 }
+#: Sets built by the project whose whole content ships with the package (a data directory
+#: or the hub has nothing more of them).
+WHOLLY_BUNDLED = ("code_edit",)
 #: The same sets by their hub names (``datasets.load_dataset`` arguments), for online use.
 HUB_DATASETS = {
     "gsm8k": ("openai/gsm8k", "main", "test"),
@@ -153,6 +156,8 @@ def format_source_row(name: str, raw: dict, index: int) -> dict | None:
 def load_from_directory(name: str, directory) -> list[dict]:
     """Every test row of an evaluation set from a directory laid out like the offline copies."""
     name = bundled_name(name)
+    if name in WHOLLY_BUNDLED:
+        return load_bundled(name)
     path = Path(directory) / DATASET_FILES[name]
     if not path.is_file():
         raise BlockspecError(f"{path} does not exist: --data-dir must hold {DATASET_FILES[name]} for {name}")
@@ -168,6 +173,8 @@ def load_from_directory(name: str, directory) -> list[dict]:
 def load_from_hub(name: str) -> list[dict]:
     """Every test row of an evaluation set by its hub name (needs ``datasets`` and a network)."""
     name = bundled_name(name)
+    if name in WHOLLY_BUNDLED:
+        return load_bundled(name)
     try:
         import datasets
     except ImportError:
