@@ -66,6 +66,8 @@ def save_atomically(save_fn, directory: str | Path) -> Path:
 
 def make_output_dir(path: str | Path, option: str = "--out") -> Path:
     """Create an output directory (and its parents), or say in one line why nothing can be written there."""
+    if not str(path).strip():
+        raise BlockspecError(f"{option} is empty: name the directory to write to")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise BlockspecError(f"{option} {path} is a file, not a directory: choose another path")

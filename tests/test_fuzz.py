@@ -127,7 +127,7 @@ def raw_bodies():
 @pytest.fixture(scope="module")
 def fuzzed_server(tiny_target_dir, tiny_draft_dir):
     target = load_served_target(tiny_target_dir)
-    app = create_app(target, build_drafter("dflash", target, str(tiny_draft_dir)), max_batch_size=4, api_key=API_KEY)
+    app = create_app(target, build_drafter("dflash", target, str(tiny_draft_dir)), max_batch_size=4, api_keys=API_KEY)
     with running_server(app) as url:
         with httpx.Client(base_url=url, timeout=60) as client:
             yield client, target.name

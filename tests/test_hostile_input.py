@@ -179,7 +179,7 @@ def test_a_chat_template_refusing_the_roles_is_a_400(served):
 
 def test_the_api_key_is_checked_before_the_body(tiny_target_dir):
     target = load_served_target(tiny_target_dir)
-    with running_server(create_app(target, None, api_key="sekret")) as url:
+    with running_server(create_app(target, None, api_keys="sekret")) as url:
         assert openai_error(post(url, "chat/completions", b"{bad json"), 401)["code"] == "invalid_api_key"
         assert openai_error(post(url, "completions", {"wrong": "key"}), 401)
         good = {"Authorization": "Bearer sekret"}
@@ -192,7 +192,7 @@ def test_an_empty_api_key_is_refused():
     from blockspec.errors import BlockspecError
 
     with pytest.raises(BlockspecError, match="API key is empty"):
-        create_app(None, None, api_key=" ")
+        create_app(None, None, api_keys=" ")
 
 
 # -- 10. ignore_eos and min_tokens, as vLLM takes them -----------------------------------------------------
@@ -304,14 +304,18 @@ def test_an_empty_api_key_is_refused_from_the_option_or_the_environment(tiny_tar
 
 def test_the_api_key_comes_from_the_environment(monkeypatch):
     from blockspec.cli import build_parser
-    from blockspec.cli.serve import api_key_of
+    from blockspec.cli.serve import api_key_of, api_keys_of
 
     monkeypatch.setenv("BLOCKSPEC_API_KEY", "from-env")
-    assert api_key_of(build_parser().parse_args(["serve"])) == "from-env"
-    assert api_key_of(build_parser().parse_args(["serve", "--api-key", "given"])) == "given"
+    assert api_keys_of(build_parser().parse_args(["serve"])) == ["from-env"]
+    assert api_keys_of(build_parser().parse_args(["serve", "--api-key", "given"])) == ["given"]
+    assert api_keys_of(build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b"])) == ["a", "b"]
     assert api_key_of(build_parser().parse_args(["loadtest"])) == "from-env"
+    monkeypatch.setenv("BLOCKSPEC_API_KEY", "one,two")
+    assert api_keys_of(build_parser().parse_args(["serve"])) == ["one", "two"]
     monkeypatch.delenv("BLOCKSPEC_API_KEY")
-    assert api_key_of(build_parser().parse_args(["serve"])) is None
+    assert api_keys_of(build_parser().parse_args(["serve"])) == []
+    assert api_key_of(build_parser().parse_args(["loadtest"])) is None
 
 
 @pytest.mark.parametrize("args,message", [
@@ -365,6 +369,8 @@ def test_train_draft_refuses_an_output_directory_it_cannot_write(tiny_target_dir
     args = train_draft_args(tiny_target_dir, tmp_path)
     assert "is a file, not a directory" in cli_error(capsys, *args, "--out", str(a_file))
     assert "cannot write there (Not a directory)" in cli_error(capsys, *args, "--out", str(a_file / "sub"))
+    for empty in ("", " "):  # not the working directory
+        assert "--out is empty" in cli_error(capsys, *args, "--out", empty)
     for system in ("/proc/blockspec-out", "/sys/blockspec-out"):
         if __import__("os").path.isdir(system.rsplit("/", 1)[0]):
             assert "cannot write there" in cli_error(capsys, *args, "--out", system)
@@ -450,7 +456,7 @@ def test_a_key_that_cannot_travel_in_a_header_is_refused():
     from blockspec.errors import BlockspecError
 
     with pytest.raises(BlockspecError, match="printable ASCII"):
-        create_app(None, None, api_key="clé")
+        create_app(None, None, api_keys=["ok", "clé"])
 
 
 def test_a_library_error_over_several_lines_is_one_line(capsys):

@@ -53,7 +53,7 @@ def served(tiny_target_dir, tiny_draft_dir):
 def guarded(tiny_target_dir):
     """An AR server with an API key and room for one request in flight."""
     target = load_served_target(tiny_target_dir)
-    app = create_app(target, None, max_batch_size=2, max_queue=1, api_key="sekret")
+    app = create_app(target, None, max_batch_size=2, max_queue=1, api_keys="sekret")
     with running_server(app) as url:
         yield Served(url, app, target)
 
@@ -311,19 +311,22 @@ def test_serve_options_are_checked(tiny_target_dir, capsys):
         create_app(load_served_target(tiny_target_dir), None, max_queue=0)
 
 
-# -- trees and the adaptive width: one request at a time -----------------------------------------
+# -- trees, the adaptive width and batches of one ------------------------------------------------
 
-@pytest.mark.parametrize("options", [{"tree_budget": 8}, {"block_size": "auto"}], ids=["tree", "auto"])
-def test_per_sequence_decoding_serves_the_greedy_tokens_of_generate(tiny_target_dir, tiny_draft_dir, options):
+@pytest.mark.parametrize("options,batch,engine", [({"tree_budget": 8}, 8, "BatchEngine"),
+                                                  ({"block_size": "auto"}, 8, "SequentialEngine"),
+                                                  ({"tree_budget": 8}, 1, "SequentialEngine")],
+                         ids=["tree", "auto", "tree-alone"])
+def test_trees_and_adaptive_widths_serve_the_greedy_tokens_of_generate(tiny_target_dir, tiny_draft_dir, options,
+                                                                       batch, engine):
     from blockspec.decoding.generate import speculative_generate
     from blockspec.decoding.sequence import GenerationConfig
-    from blockspec.decoding.sequential import SequentialEngine
     from blockspec.serve.engine import DecodingOptions
 
     target = load_served_target(tiny_target_dir)
     drafter = build_drafter("dflash", target, str(tiny_draft_dir))
-    app = create_app(target, drafter, max_batch_size=8, decoding=DecodingOptions(**options))
-    assert isinstance(app.state.engine.engine, SequentialEngine)
+    app = create_app(target, drafter, max_batch_size=batch, decoding=DecodingOptions(**options))
+    assert type(app.state.engine.engine).__name__ == engine
     prompts = PROMPTS[:6]
     with running_server(app) as url:
         server = Served(url, app, target)
@@ -364,3 +367,24 @@ def test_serve_refuses_a_tree_without_a_dflash_drafter(tiny_target_dir):
 
     with pytest.raises(BlockspecError, match="tree-budget"):
         create_app(load_served_target(tiny_target_dir), None, decoding=DecodingOptions(tree_budget=8))
+
+
+def test_each_api_key_copies_only_from_its_own_answers(tiny_target_dir):
+    from blockspec.serve.auth import tenant_of
+
+    target = load_served_target(tiny_target_dir)
+    drafter = build_drafter("suffix", target, None)
+    app = create_app(target, drafter, max_batch_size=4, api_keys=["alice-key", "bob-key"])
+    prompts = {"alice-key": [5, 6, 7, 8, 9, 10], "bob-key": [20, 21, 22, 23]}
+    with running_server(app) as url:
+        served = Served(url, app, target)
+        for key, prompt in prompts.items():
+            for _ in range(2):
+                served.client(api_key=key).completions.create(model=served.model, prompt=prompt, max_tokens=12,
+                                                              temperature=0)
+    store = drafter.store
+    assert set(store.indexes) == {tenant_of(key) for key in prompts}  # digests: no key is kept
+    for key, prompt in prompts.items():
+        index = store.indexes[tenant_of(key)]
+        kept = [index.sequence(sequence) for sequence in range(4) if sequence in index]
+        assert len(kept) == 2 and all(answer[:len(prompt)] == prompt for answer in kept)

@@ -22,8 +22,8 @@ def add_serve_command(commands) -> None:
                         help="verify width of every request (default: the drafter's trained size); 'auto' "
                              "chooses it each step, and then requests are decoded one at a time")
     parser.add_argument("--tree-budget", type=int, default=None,
-                        help="verify a token tree of this many draft nodes (dflash); requests are then decoded "
-                             "one at a time")
+                        help="verify a token tree of this many draft nodes (dflash, suffix, dflash+suffix, "
+                             "dflash+ngram); each row of a batch verifies a tree of its own")
     add_tree_top_k_option(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
@@ -31,9 +31,11 @@ def add_serve_command(commands) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests in flight (waiting + decoding) before new ones get 503 (default 64)")
-    parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1 endpoints (default: ${API_KEY_VARIABLE} "
-                             "if set; the variable keeps the key out of the process list)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 endpoints; repeat it for several keys, "
+                             "each a tenant whose answers only its own requests' suffix drafts copy (default: "
+                             f"${API_KEY_VARIABLE} if set, several keys separated by commas; the variable keeps "
+                             "the keys out of the process list)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(run=run_serve)
 
@@ -42,37 +44,52 @@ def run_serve(args) -> int:
     import uvicorn
 
     from blockspec.decoding.sequence import GenerationConfig
-    from blockspec.serve.app import check_decoding, create_app
+    from blockspec.serve.app import check_decoding, create_app, one_at_a_time
 
     if not 0 < args.port < 65536:
         raise BlockspecError(f"--port must be 1..65535, got {args.port}")
-    api_key = api_key_of(args)
+    api_keys = api_keys_of(args)
     decoding = decoding_options(args)
     GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
     target, drafter = load_models(args)
     check_decoding(target.model, drafter, decoding)
-    if decoding.per_sequence:  # compiled graphs (if any) for requests of up to 512 positions, ahead of the first
+    sequential = one_at_a_time(decoding, args.max_batch_size)
+    if sequential:  # compiled graphs (if any) for requests of up to 512 positions, ahead of the first
         from blockspec.decoding.generate import warm_up_fast_path
 
         warm_up_fast_path(target.model, drafter, GenerationConfig(**decoding.config_fields()), 256)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                     api_key=api_key, decoding=decoding)
-    how = "one request at a time" if decoding.per_sequence else f"batches of up to {args.max_batch_size}"
+                     api_keys=api_keys, decoding=decoding)
+    how = "one request at a time" if sequential else f"batches of up to {args.max_batch_size}"
     print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, {how}) at "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
-def api_key_of(args) -> str | None:
-    """--api-key, else $BLOCKSPEC_API_KEY; an empty key is refused rather than read as none."""
+def api_keys_of(args) -> list[str]:
+    """The server's keys: every --api-key, else $BLOCKSPEC_API_KEY's comma-separated keys; none: no keys."""
     if args.api_key is not None:
-        key, source = args.api_key, "--api-key"
-    else:
-        key, source = os.environ.get(API_KEY_VARIABLE), f"${API_KEY_VARIABLE}"
-    if key is not None and not key.strip():
-        raise BlockspecError(f"{source} is empty: give a key, or leave it out to serve without one")
-    if key is not None and not (key.isascii() and key.isprintable()):
+        return [checked_key(key, "--api-key") for key in args.api_key]
+    keys = os.environ.get(API_KEY_VARIABLE)
+    if keys is None:
+        return []
+    return [checked_key(key, f"${API_KEY_VARIABLE}") for key in keys.split(",")]
+
+
+def api_key_of(args) -> str | None:
+    """The key a client sends: --api-key, else $BLOCKSPEC_API_KEY."""
+    if args.api_key is not None:
+        return checked_key(args.api_key, "--api-key")
+    key = os.environ.get(API_KEY_VARIABLE)
+    return None if key is None else checked_key(key, f"${API_KEY_VARIABLE}")
+
+
+def checked_key(key: str, source: str) -> str:
+    """An empty key is refused rather than read as none; a key travels in an HTTP header."""
+    if not key.strip():
+        raise BlockspecError(f"{source} is empty: give a key, or leave it out to go without one")
+    if not (key.isascii() and key.isprintable()):
         raise BlockspecError(f"{source} must be printable ASCII characters (the key travels in an HTTP header)")
     return key
 

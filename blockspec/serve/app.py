@@ -10,6 +10,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
-from blockspec.serve.auth import APIKeyGuard, check_api_key
+from blockspec.serve.auth import APIKeyGuard, api_key_list
 from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
 from blockspec.serve.limits import check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
@@ -36,20 +37,22 @@ _DEFAULT_CHAT_TOKENS = 4096
 
 
 def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
-               api_key: str | None = None, decoding: DecodingOptions | None = None) -> FastAPI:
-    """An app serving ``target`` under its name; ``api_key`` turns on Bearer authentication of /v1.
+               api_keys: str | Sequence[str] | None = None, decoding: DecodingOptions | None = None) -> FastAPI:
+    """An app serving ``target`` under its name; ``api_keys`` (one or several) turn on Bearer
+    authentication of /v1. Each key is a tenant of its own: a drafter that copies earlier answers
+    (suffix) copies only from answers given under the same key.
 
-    ``decoding`` sets the verify width and token tree of every request; with a tree or the
-    adaptive width, requests are decoded one at a time.
+    ``decoding`` sets the verify width and token tree of every request; with the adaptive width,
+    or a batch of one, requests are decoded one at a time through the ``generate`` loop.
     """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
-    check_api_key(api_key)
+    api_keys = api_key_list(api_keys)
     decoding = decoding or DecodingOptions()
     check_decoding(target.model, drafter, decoding)
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
-                           metrics=metrics, per_sequence=decoding.per_sequence, compile=decoding.compile)
+                           metrics=metrics, per_sequence=one_at_a_time(decoding, max_batch_size), compile=decoding.compile)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,12 +69,18 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     # The last added runs first: every answer is counted, a key is checked before the body is read,
     # and an unexpected error still answers in OpenAI's format.
     app.add_middleware(UnexpectedErrors)
-    if api_key is not None:
-        app.add_middleware(APIKeyGuard, api_key=api_key)
+    if api_keys:
+        app.add_middleware(APIKeyGuard, api_keys=api_keys)
     app.add_middleware(RequestCounter, metrics=metrics)
     _add_error_handlers(app)
     _add_routes(app, target, engine, metrics, decoding)
     return app
+
+
+def one_at_a_time(decoding: DecodingOptions, max_batch_size: int) -> bool:
+    """Whether requests go through the ``generate`` loop one after another: the adaptive width calibrates on
+    one sequence, and with no batch to share the loop's compiled graphs serve best."""
+    return decoding.per_sequence or max_batch_size == 1
 
 
 def check_decoding(model, drafter, decoding: DecodingOptions) -> None:
@@ -201,13 +210,15 @@ def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: Se
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = _prepare(target, body, "/v1/completions", _completion_prompt_ids(target, body), decoding)
+        prepared = _prepare(target, body, "/v1/completions", _completion_prompt_ids(target, body), decoding,
+                            _tenant(request))
         generation = Generation(engine, target.tokenizer, prepared).start()
         return await _respond(generation, body, request, TextCompletion(target))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prepared = _prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body), decoding)
+        prepared = _prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body), decoding,
+                            _tenant(request))
         generation = Generation(engine, target.tokenizer, prepared).start()
         return await _respond(generation, body, request, ChatCompletion(target))
 
@@ -257,8 +268,13 @@ def _encode(target: Target, prompt, *, use_chat_template: bool, param: str) -> l
         raise bad_request(f"the model's chat template refused these messages: {error}", param=param) from error
 
 
+def _tenant(request: Request) -> str | None:
+    """The API key's tenant the guard set (None when the server has no keys)."""
+    return getattr(request.state, "tenant", None)
+
+
 def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: list[int],
-             decoding: DecodingOptions) -> PreparedRequest:
+             decoding: DecodingOptions, tenant: str | None = None) -> PreparedRequest:
     """The request as the engine runs it, every value checked before it joins the batch."""
     if body.n != 1:
         raise bad_request(f"n={body.n} is not supported: this server returns one choice per request",
@@ -277,7 +293,7 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
     except BlockspecError as error:  # sampling values GenerationConfig refuses
         raise bad_request(str(error), code="invalid_value") from error
     return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings(), min_tokens=body.min_tokens,
-                           stop_token_ids=stop_ids)
+                           stop_token_ids=stop_ids, namespace=tenant)
 
 
 def _token_limit(target: Target, body: SamplingFields, prompt_tokens: int) -> int:

@@ -10,9 +10,10 @@ asyncio queue, fed with ``loop.call_soon_threadsafe``.
 are matched there, on the text: a piece that could begin a stop string is held back until
 the next tokens show whether it does.
 
-The engine is a ``BatchEngine`` (rows verified together at a fixed width), or, when the server
-verifies token trees or chooses widths adaptively, a ``SequentialEngine`` (one request at a
-time: those choices are per sequence).
+The engine is a ``BatchEngine`` (rows verified together, each a chain of a fixed width or a token
+tree of its own), or, when the server chooses widths adaptively or serves one request at a time
+anyway, a ``SequentialEngine`` (the ``generate`` loop, with its compiled graphs, one request
+after another).
 
 A request's tokens are read from its row after every step (not from the step's events), so a
 row that is prefilled and finishes within one step keeps all its tokens. One request's failure
@@ -58,8 +59,8 @@ class DecodingOptions:
 
     @property
     def per_sequence(self) -> bool:
-        """Trees and the adaptive width shape each verify for one sequence: no shared batched verify."""
-        return self.block_size == AUTO or self.tree_budget is not None
+        """The adaptive width calibrates on one sequence's steps: no shared batched verify."""
+        return self.block_size == AUTO
 
     def config_fields(self) -> dict:
         return {"block_size": self.block_size, "tree_budget": self.tree_budget, "tree_top_k": self.tree_top_k,
@@ -84,6 +85,7 @@ class Submission:
     input_ids: list[int]
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
+    namespace: str | None = None
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     row: Row | None = None
     done: bool = False
@@ -139,12 +141,13 @@ class ServingEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, input_ids: list[int], config: GenerationConfig) -> Submission:
-        """Queue a request, or refuse it with 503 when ``max_queue`` requests are already in flight."""
+    def submit(self, input_ids: list[int], config: GenerationConfig, *, namespace: str | None = None) -> Submission:
+        """Queue a request, or refuse it with 503 when ``max_queue`` requests are already in flight.
+        ``namespace``: whose earlier answers the drafter may copy from (and keeps this one for)."""
         if not self.alive:
             raise APIError(503, "the decoding engine is not running: restart the server", type="server_error",
                            code="engine_stopped")
-        submission = Submission(next(self._ids), list(input_ids), config, asyncio.get_running_loop())
+        submission = Submission(next(self._ids), list(input_ids), config, asyncio.get_running_loop(), namespace)
         with self._lock:
             if len(self._in_flight) >= self.max_queue:
                 raise APIError(503, f"the server is at capacity ({self.max_queue} requests in flight): retry later",
@@ -212,7 +215,7 @@ class ServingEngine:
             self._forget(submission)
             return
         try:
-            submission.row = self.engine.add(submission.input_ids, submission.config)
+            submission.row = self.engine.add(submission.input_ids, submission.config, namespace=submission.namespace)
         except Exception as error:  # noqa: BLE001 - the request fails, the server lives on
             self._finish(submission, TokenUpdate([], "error", error=str(error)))
             return
@@ -283,7 +286,8 @@ class ServingEngine:
         """Whether the request's row fails its prefill or first decode step in an engine of its own."""
         trial = broken.fresh()
         try:
-            trial.add(submission.input_ids + submission.output, submission.resume_config())
+            trial.add(submission.input_ids + submission.output, submission.resume_config(),
+                      namespace=submission.namespace)
             for _ in range(2):  # a batch engine prefills and decodes in one step, a sequential one in two
                 if trial.has_work:
                     trial.step()
@@ -297,7 +301,7 @@ class ServingEngine:
         config = submission.resume_config()
         submission.earlier, submission.row = output, None
         try:
-            submission.row = self.engine.add(submission.input_ids + output, config)
+            submission.row = self.engine.add(submission.input_ids + output, config, namespace=submission.namespace)
         except Exception as error:  # noqa: BLE001
             self._finish(submission, TokenUpdate([], "error", error=f"decoding failed: {error}"))
 
@@ -376,6 +380,8 @@ class PreparedRequest:
     #: at or after the min_tokens-th token ends the request.
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    #: Whose earlier answers a drafter that copies may read (the API key's tenant; None without keys).
+    namespace: str | None = None
 
 
 class Generation:
@@ -408,7 +414,8 @@ class Generation:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def start(self) -> "Generation":
-        self.submission = self.engine.submit(self.request.prompt_ids, self.request.config)
+        self.submission = self.engine.submit(self.request.prompt_ids, self.request.config,
+                                             namespace=self.request.namespace)
         return self
 
     async def pieces(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
