@@ -190,6 +190,34 @@ def test_the_compiled_path_is_lossless_and_never_compiles_as_the_context_grows(c
 
 
 @pytest.mark.slow
+def test_a_thread_of_its_own_compiles_a_graph_per_bucket(compiled_world):
+    """Dynamo's recompile limit is per thread; past it graphs would silently run eagerly (a server decodes in
+    a thread of its own)."""
+    import threading
+
+    import torch._dynamo
+
+    from blockspec.decoding.fast import GRAPH_LIMIT
+
+    target, drafter, _ = compiled_world
+    ids = prompts(320, count=1, seed=45)[0]
+    seen = {}
+
+    def decode_in_thread():
+        seen["default"] = torch._dynamo.config.recompile_limit
+        fast = FastForward(target, drafter.feature_layers, compile=True)  # its graphs are new to it
+        seen["tokens"] = decode(target, ids, drafter, GenerationConfig(max_new_tokens=12, block_size=4),
+                                fast=fast).token_ids
+        seen["limit"] = torch._dynamo.config.recompile_limit
+
+    thread = threading.Thread(target=decode_in_thread)
+    thread.start()
+    thread.join()
+    assert seen["default"] < GRAPH_LIMIT <= seen["limit"]
+    assert seen["tokens"] == hf_greedy(target, ids, 12)
+
+
+@pytest.mark.slow
 def test_sampling_through_the_compiled_path_follows_the_target():
     target = small_target()
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),

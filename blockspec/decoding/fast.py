@@ -200,6 +200,7 @@ class FastForward:
         key = (ids.shape[0], ids.shape[1], cache.capacity)
         if key in self._warm or not self.compiled:
             return self._graph(self.network, ids, positions, mask, cache, self.feature_layers)
+        allow_a_graph_per_shape()
         if self.progress is not None:
             self.progress(f"compiling the target's forward for {ids.shape[1]} tokens "
                           f"(batch {ids.shape[0]}, cache {cache.capacity}); a first run on this machine takes "
@@ -306,6 +307,19 @@ class StaticBatchTarget:
         self.rows = len(indices)
 
 
+#: Graphs one compiled function may hold: a width bucket per batch size and cache capacity.
+GRAPH_LIMIT = 64
+
+
+def allow_a_graph_per_shape() -> None:
+    """Raise dynamo's recompile limit (8) in the calling thread: its config is per thread, and a graph past the
+    limit silently runs eagerly (a server decodes in a thread of its own)."""
+    import torch._dynamo
+
+    if torch._dynamo.config.recompile_limit < GRAPH_LIMIT:
+        torch._dynamo.config.recompile_limit = GRAPH_LIMIT
+
+
 def configure_inductor(cache_dir: str | None = None) -> None:
     """Keep inductor's compiled artefacts under BLOCKSPEC_HOME, and allow a graph per width bucket and capacity."""
     if cache_dir is None:
@@ -317,7 +331,7 @@ def configure_inductor(cache_dir: str | None = None) -> None:
     import torch._inductor.config as inductor
 
     inductor.fx_graph_cache = True
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    allow_a_graph_per_shape()
     if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
         raise BlockspecError("compiling the target needs a C++ compiler (g++): install one, or use --compile off")
 
