@@ -64,7 +64,7 @@ def add_models_group(models) -> None:
 
 def add_prompts_group(data) -> None:
     data.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS),
-                      help="gsm8k, math500, humaneval, mbpp, mt_bench, or JSON-lines prompt files "
+                      help="gsm8k, math500, humaneval, mbpp, mt_bench, code_edit, or JSON-lines prompt files "
                            f"(default: {' '.join(DEFAULT_DATASETS)})")
     data.add_argument("--data-dir", default=None,
                       help="read the full sets from a directory laid out like the offline copies, or 'hub' "
