@@ -13,8 +13,8 @@ from blockspec.decoding.policy import PROBE_AT_MOST, PROBE_EVERY, AcceptanceCali
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.draft_lm import DraftModelDrafter
-from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.drafters.eagle3_mtp import RecursiveDrafter
+from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig
 from helpers import (

@@ -7,8 +7,8 @@ from blockspec.decoding.batch import BatchEngine, batch_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.draft_lm import DraftModelDrafter
-from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.drafters.eagle3_mtp import RecursiveDrafter
+from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
 from helpers import decode, make_causal_lm, make_dflash, make_recursive, perturbed_copy, prompts, repetitive_prompts
 

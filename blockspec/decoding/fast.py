@@ -327,7 +327,6 @@ def configure_inductor(cache_dir: str | None = None) -> None:
 
         cache_dir = str(hub.home_dir() / "inductor")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)  # before inductor reads it
-    import torch._dynamo
     import torch._inductor.config as inductor
 
     inductor.fx_graph_cache = True

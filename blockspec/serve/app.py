@@ -52,7 +52,8 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     check_decoding(target.model, drafter, decoding)
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
-                           metrics=metrics, per_sequence=one_at_a_time(decoding, max_batch_size), compile=decoding.compile)
+                           metrics=metrics, per_sequence=one_at_a_time(decoding, max_batch_size),
+                           compile=decoding.compile)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
