@@ -145,9 +145,13 @@ class FastForward:
                 target.keep([[]])
 
     def new_cache(self, length: int, batch: int = 1) -> StaticKVCache:
-        """A cache for sequences of up to ``length`` positions (plus the widest padding)."""
+        """A cache for sequences of up to ``length`` positions (plus the widest padding): the smallest capacity
+        graphs were already compiled for, if one is large enough (a few masked columns cost far less than
+        compiling every width again for a smaller cache), else the smallest that fits."""
         context = getattr(self.model.config, "max_position_embeddings", None) or length
         capacity = capacity_for(min(length, context) + WIDTH_BUCKETS[-1])
+        compiled = [known for rows, _, known in self._warm if rows == batch and known >= capacity]
+        capacity = min(compiled, default=capacity)
         cache = StaticKVCache(self.model.config, batch, capacity, self.model.dtype, self.model.device)
         if self.compiled and self.model.device.type == "cuda":
             for buffer in (*cache.keys, *cache.values):  # written in place inside a CUDA graph
