@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from blockspec.bench.datasets import BUNDLED
 from blockspec.cli.options import add_device_options, add_target_option, block_size_arg
 from blockspec.demo import (
@@ -56,7 +58,8 @@ def run_demo_command(args) -> int:
     if draft is None:
         raise BlockspecError(f"no drafter is shipped for {args.target}: pass --draft DIR with a DFlash checkpoint "
                              "made for it")
-    console = Console()
+    # Piped to a file or a CI log, rich would assume 80 columns and cut the table's figures.
+    console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(f"loading the target {escape(str(args.target))} and the drafter {escape(str(draft))} ...",
                   style="dim")
     target = load_target(args.target, device=args.device, dtype=args.dtype)
