@@ -255,6 +255,7 @@ def test_fuzzed_command_lines_end_in_one_line_of_error_or_their_work(tiny_target
     from blockspec.cli import main
 
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)  # serve checks everything, then returns
+    monkeypatch.chdir(tmp_path)  # a number or a name given to a path option is a relative directory
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"say {i}", "response": f"{i} {i}"}) + "\n" for i in range(6)))
     target = str(tiny_target_dir)
