@@ -86,11 +86,10 @@ def api_key_of(args) -> str | None:
 
 
 def checked_key(key: str, source: str) -> str:
-    """An empty key is refused rather than read as none; a key travels in an HTTP header."""
-    if not key.strip():
-        raise BlockspecError(f"{source} is empty: give a key, or leave it out to go without one")
-    if not (key.isascii() and key.isprintable()):
-        raise BlockspecError(f"{source} must be printable ASCII characters (the key travels in an HTTP header)")
+    """The key, refused when empty (rather than read as none) or when no HTTP header can carry it."""
+    from blockspec.serve.auth import check_api_key
+
+    check_api_key(key, source)
     return key
 
 

@@ -285,7 +285,7 @@ class StaticBatchTarget:
 
     def reserve(self, length: int) -> None:
         """Make room for a row of up to ``length`` positions (the cache grows; rows keep their entries)."""
-        needed = self.fast.new_cache(length).capacity
+        needed = self.fast.capacity(length)
         if needed > self.cache.capacity:
             self.cache = self.cache.grown(needed)
 

@@ -12,14 +12,15 @@ from blockspec.errors import BlockspecError
 from blockspec.serve.schemas import APIError
 
 
-def check_api_key(key: str | None) -> None:
-    """A key travels in an HTTP header: printable ASCII, not empty (None: no key)."""
+def check_api_key(key: str | None, name: str = "the API key") -> None:
+    """A key travels in an HTTP header: printable ASCII, not empty (None: no key). ``name``: where it came
+    from, for the error (an option, a variable)."""
     if key is None:
         return
     if not key.strip():
-        raise BlockspecError("the API key is empty: give a key, or none to serve without authentication")
+        raise BlockspecError(f"{name} is empty: give a key, or leave it out to go without one")
     if not (key.isascii() and key.isprintable()):
-        raise BlockspecError("the API key must be printable ASCII characters (it travels in an HTTP header)")
+        raise BlockspecError(f"{name} must be printable ASCII characters (the key travels in an HTTP header)")
 
 
 def api_key_list(keys: str | Sequence[str] | None) -> list[str]:
