@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# the public DFlash reference, which the tests load our drafts into (it needs only torch and transformers;
+	# its own pins would replace ours)
+	$(BIN)/python -m pip install --quiet --no-deps dflash==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

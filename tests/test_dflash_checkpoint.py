@@ -350,7 +350,7 @@ def test_logit_scale_scales_the_drafts_logits(tmp_path):
 
 
 @pytest.mark.parametrize("settings,weights,message", [
-    ({"draft_vocab_size": 100}, (), "draft_vocab_size 100"),
+    ({"draft_vocab_size": 10**6}, (), "draft_vocab_size 1000000"),
     ({"use_aux_hidden_state": False}, (), "use_aux_hidden_state"),
     ({"layer_types": ["chunked_attention", "full_attention"]}, (), "layer_types chunked_attention"),
     ({}, ("lm_head.weight",), "its own LM head"),

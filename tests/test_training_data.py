@@ -11,7 +11,7 @@ import torch
 
 from blockspec.errors import BlockspecError
 from blockspec.tokens import encode_prompt, stop_token_ids
-from blockspec.training.prompts import GSM8K_INSTRUCTION, PromptRecord, load_prompts
+from blockspec.training.prompts import GSM8K_INSTRUCTION, PromptRecord, load_prompts, restyle_prompts
 from blockspec.training.response_cache import meta_path, read_cache
 from blockspec.training.responses import generate_responses, responses_from_data
 from blockspec.training.samples import load_samples
@@ -415,3 +415,20 @@ def test_samples_from_generated_cache(tmp_path, tokenizer, model):
         assert sample.input_ids[sample.loss_mask].tolist() == row["response_ids"]
     with pytest.raises(BlockspecError, match="not found"):
         load_samples(tmp_path / "missing.jsonl")
+
+
+def test_restyled_prompts_are_asked_in_each_style_with_their_own_ids():
+    records = [PromptRecord(id=f"gsm8k:{i}", messages=[{"role": "user", "content": f"What is {i} + 1?"}])
+               for i in range(60)]
+    restyled = restyle_prompts(records, ["plain", "suffix", "chat"], seed=0)
+    styles = {record.id.rsplit("@", 1)[1] for record in restyled}
+    assert styles == {"plain", "suffix", "chat"}
+    for original, record in zip(records, restyled):
+        question, text = original.messages[0]["content"], record.messages[0]["content"]
+        assert question in text
+        style = record.id.rsplit("@", 1)[1]
+        assert (text == question) == (style == "plain")
+        assert text.endswith(GSM8K_INSTRUCTION) == (style == "suffix")
+    assert restyle_prompts(records, ["plain", "suffix", "chat"], seed=0) == restyled  # reproducible
+    with pytest.raises(BlockspecError, match="prompt styles"):
+        restyle_prompts(records, ["shouting"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.drafters.base import PositionwiseDrafter, Proposal
+from blockspec.drafters.tree import build_tree
 from blockspec.errors import BlockspecError
 from blockspec.models.dflash import ContextCache, DFlashDraftModel, check_fits_target, load_dflash_model
 from blockspec.models.packed import module_twin, pack, packing_available
@@ -64,15 +65,20 @@ class DFlashDrafter(PositionwiseDrafter):
     name = "dflash"
 
     def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
-                 denoise_steps: int = 1, packed: bool = False):
+                 denoise_steps: int = 1, packed: bool = False, draft_vocabulary=None):
         check_fits_target(model, target_model.config)
+        if draft_vocabulary is not None:
+            model.compress_vocabulary(draft_vocabulary, target_model.get_output_embeddings().weight)
         param = next(target_model.parameters())
         self.model = model.to(device=param.device, dtype=param.dtype).eval()
         self.model.requires_grad_(False)
         self.embed_tokens = target_model.get_input_embeddings()
-        #: The target's LM head, which most of a pass is spent in. With ``packed`` (a CPU), it and the
-        #: drafter's own linear layers run on oneDNN-packed weights.
-        self.lm_head = target_model.get_output_embeddings()
+        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        #: The LM head a pass spends most of its time in: the draft's own over its K-token vocabulary, else the
+        #: target's. With ``packed`` (a CPU), it and the drafter's linear layers run on oneDNN-packed weights.
+        self.lm_head = model.lm_head if model.compressed else target_model.get_output_embeddings()
+        #: Target id of each row of the head (None: the head is the target's, row = id).
+        self.draft_to_target = model.draft_to_target.to(param.device) if model.compressed else None
         if packed and packing_available(target_model):
             self.lm_head = pack(self.lm_head)
             self.model = module_twin(self.model, pack_linears=True)
@@ -96,20 +102,47 @@ class DFlashDrafter(PositionwiseDrafter):
     def propose(self, state: DFlashState, last_token, num_tokens, sampling, generator) -> Proposal:
         if num_tokens == 0:
             return Proposal.empty(self.device)
-        logits = self.draft_logits(state, last_token, num_tokens)
+        logits = self.head_logits(state, last_token, num_tokens)
         # Drafted out of left-to-right order, a sampled token's q is not its distribution given the
         # drafts before it, so rejection sampling with q would be biased: denoised drafts are
         # deterministic (accepted with probability p(draft), exact for any deterministic draft).
         denoised = len(state.commit_counts) > 1
         if sampling.greedy or not self.sample_drafts or denoised:
-            tokens = logits.argmax(dim=-1)
-            return Proposal(tokens, confidence=draft_confidence(logits, tokens))
-        probs = sampling_probs(logits, sampling)
+            rows = logits.argmax(dim=-1)
+            return Proposal(self._target_ids(rows), confidence=draft_confidence(logits, rows))
+        probs = self._target_probs(sampling_probs(logits, sampling))  # zero outside the draft vocabulary
         return Proposal(sample_from(probs, generator), probs)  # its confidence is q(token), from probs
 
     @torch.inference_mode()
     def draft_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
-        """Logits [num_tokens, V] for the positions after ``last_token``.
+        """Logits [num_tokens, V] for the positions after ``last_token`` (-inf outside a reduced draft
+        vocabulary)."""
+        logits = self.head_logits(state, last_token, num_tokens)
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_to_target, logits)
+
+    def draft_tree(self, state: DFlashState, last_token: int, depth: int, budget: int, top_k: int):
+        probs = torch.softmax(self.head_logits(state, last_token, depth).float(), dim=-1)
+        tree = build_tree(probs, budget, top_k)
+        confidences = [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
+        if self.draft_to_target is not None:
+            tree.tokens = self.draft_to_target[torch.tensor(tree.tokens, dtype=torch.long)].tolist()
+        return tree, confidences
+
+    def _target_ids(self, rows: torch.LongTensor) -> torch.LongTensor:
+        return rows if self.draft_to_target is None else self.draft_to_target[rows]
+
+    def _target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.draft_to_target is None:
+            return probs
+        return probs.new_zeros((probs.shape[0], self.vocab_size)).index_copy_(1, self.draft_to_target, probs)
+
+    @torch.inference_mode()
+    def head_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
+        """Logits [num_tokens, K] over the rows of the drafter's head (the target's V, or its own K) for the
+        positions after ``last_token``.
 
         Row i comes from the pass that committed position i, so its argmax is that position's
         draft. Only the first pass appends the pending context features to the cache.
@@ -131,7 +164,7 @@ class DFlashDrafter(PositionwiseDrafter):
                 logits = self._block_logits(state.cache, block_ids, start)
             chosen = most_confident(logits, masked, count)
             committed[chosen] = logits[chosen]
-            block_ids[0, 1 + chosen] = logits[chosen].argmax(dim=-1)
+            block_ids[0, 1 + chosen] = self._target_ids(logits[chosen].argmax(dim=-1))
             masked[chosen] = False
         return committed
 
@@ -149,7 +182,8 @@ class DFlashDrafter(PositionwiseDrafter):
 
 
 def build(directory, target, *, sample_drafts: bool = True, denoise_steps: int = 1,
-          packed: bool = False) -> DFlashDrafter:
-    """A DFlash drafter for ``target`` (a ``Target``) from its checkpoint directory."""
+          packed: bool = False, draft_vocabulary=None) -> DFlashDrafter:
+    """A DFlash drafter for ``target`` (a ``Target``) from its checkpoint directory; ``draft_vocabulary``
+    (target ids) makes it draft over those tokens only, through their rows of the target's head."""
     return DFlashDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
-                         denoise_steps=denoise_steps, packed=packed)
+                         denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary)

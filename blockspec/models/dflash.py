@@ -36,15 +36,16 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.io import save_atomically
 from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_weights
+from blockspec.models.draft_vocab import DraftVocabulary, check_vocabulary
 
 DEFAULT_BLOCK_SIZE = 16
 SLIDING = "sliding_attention"
 #: A mask embedding shipped beside the weights (vLLM's name): it replaces the mask token's embedding row.
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-#: Weights some drafts ship that blockspec cannot use (it drafts over the target's own embedding and head).
-_UNUSABLE_WEIGHTS = {"embed_tokens.": "its own token embedding", "lm_head.": "its own LM head",
-                     "d2t": "a reduced draft vocabulary", "t2d": "a reduced draft vocabulary",
-                     "mask_hidden": "a mask hidden state"}
+#: Weights some drafts ship that blockspec cannot use (it drafts over the target's own embedding, and its
+#: head unless the draft has a reduced vocabulary of its own).
+_UNUSABLE_WEIGHTS = {"embed_tokens.": "its own token embedding", "mask_hidden": "a mask hidden state"}
+_VOCABULARY_WEIGHTS = {"lm_head.": "its own LM head", "d2t": "a draft vocabulary map", "t2d": "a draft vocabulary map"}
 
 
 def select_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -311,11 +312,15 @@ class DFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DFlashDraftModel(Qwen3PreTrainedModel):
-    """The drafter network. It owns no embedding and no LM head: the target's are used."""
+class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
+    """The drafter network. It owns no embedding: the target's is used; and no LM head unless it drafts over
+    a reduced vocabulary (``draft_vocab_size`` < V): then ``lm_head`` holds those K rows of the target's head
+    and ``d2t`` maps them to target ids (the layout vLLM's DFlash loader reads)."""
 
     config_class = Qwen3Config
     _no_split_modules = ["DFlashDecoderLayer"]
+    #: t2d follows from d2t (vLLM ignores it too); a draft that ships it loads the same
+    _keys_to_ignore_on_load_unexpected = [r"^(model\.)?t2d$"]
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
@@ -336,7 +341,36 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(_rotary_config(config))
         #: The embedding of masked block slots when the draft ships its own (None: the target's row).
         self.register_buffer("mask_embedding", None, persistent=False)
+        #: Its own head over a reduced draft vocabulary, else None (the target's head).
+        self.lm_head = None
+        if draft_vocab_size(config) < config.vocab_size:
+            self.lm_head = nn.Linear(config.hidden_size, self.register_draft_vocabulary(config, save_t2d=False),
+                                     bias=False)
         self.post_init()
+
+    @property
+    def compressed(self) -> bool:
+        """Whether it drafts over a reduced vocabulary of its own."""
+        return self.lm_head is not None
+
+    def compress_vocabulary(self, target_ids, target_head_weight: torch.Tensor) -> None:
+        """Draft over these target ids only: ``lm_head`` becomes their rows of the target's head (frozen
+        copies), and ``draft_vocab_size`` / ``d2t`` are set for saving."""
+        if self.compressed:
+            raise IncompatibleDraftError(f"the draft already drafts over its own {self.lm_head.out_features}-token "
+                                         "vocabulary: drop the draft vocabulary option")
+        ids = check_vocabulary(target_ids, self.config.vocab_size)
+        if ids.numel() >= self.config.vocab_size:
+            return  # the whole vocabulary: the target's head as it is
+        self.config.draft_vocab_size = int(ids.numel())
+        self.register_draft_vocabulary(self.config, save_t2d=False)
+        self.set_draft_vocabulary(ids)
+        self.lm_head = nn.Linear(self.config.hidden_size, ids.numel(), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_head_weight.detach()[ids.to(target_head_weight.device)].float())
+        self.lm_head.requires_grad_(False)
+        device = next(self.layers.parameters()).device
+        self.to(device)
 
     def new_cache(self) -> ContextCache:
         return ContextCache(len(self.layers))
@@ -407,6 +441,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return torch.arange(total, device=block_positions.device).unsqueeze(0).expand(block_positions.shape[0], -1)
 
 
+def draft_vocab_size(config) -> int:
+    """The tokens the draft scores: ``draft_vocab_size`` when set, else the target's whole vocabulary."""
+    return int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+
+
 def target_width(config) -> int:
     """The width of each target layer's features (``target_hidden_size``, else the draft's own)."""
     return int(getattr(config, "target_hidden_size", None) or config.hidden_size)
@@ -441,9 +480,13 @@ def load_dflash_model(directory) -> DFlashDraftModel:
     _check_target_layers(raw, nested, directory)
     _refuse_unsupported(raw, nested, directory)
     require_weights(directory)
-    _refuse_unusable_weights(directory)
+    compressed = (raw.get("draft_vocab_size") or raw["vocab_size"]) < raw["vocab_size"]
+    _refuse_unusable_weights(directory, compressed=compressed)
     model = load_pretrained_strict(DFlashDraftModel, directory, dtype=torch.float32,
                                    config=_draft_config(directory, raw, nested))
+    if model.compressed:
+        model.derive_t2d(directory)
+        model.check_draft_vocabulary(directory)
     model.mask_embedding = read_mask_embedding(directory, model.mask_token_id, model.config.hidden_size)
     return model
 
@@ -466,22 +509,27 @@ def _refuse_unsupported(raw: dict, nested: dict, directory) -> None:
         raise CheckpointError(f"{directory}: use_aux_hidden_state false (a draft that does not read the target's "
                               "layers) is not supported")
     draft_vocab = raw.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != raw["vocab_size"]:
-        raise CheckpointError(f"{directory}: draft_vocab_size {draft_vocab} (a reduced draft vocabulary) is not "
-                              f"supported: the draft must predict the target's {raw['vocab_size']} tokens")
+    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int)
+                                    or not 1 <= draft_vocab <= raw["vocab_size"]):
+        raise CheckpointError(f"{directory}: draft_vocab_size {draft_vocab!r} must be a whole number from 1 to "
+                              f"vocab_size ({raw['vocab_size']})")
     other = sorted(set(raw.get("layer_types") or []) - {"full_attention", SLIDING})
     if other:
         raise CheckpointError(f"{directory}: layer_types {', '.join(other)} are not supported "
                               f"(draft layers are full_attention or {SLIDING})")
 
 
-def _refuse_unusable_weights(directory) -> None:
+def _refuse_unusable_weights(directory, *, compressed: bool) -> None:
+    """Weights blockspec would silently ignore are refused by name; a reduced vocabulary's head and map are the
+    draft's own (with the whole vocabulary, the target's head is used)."""
+    unusable = _UNUSABLE_WEIGHTS if compressed else {**_UNUSABLE_WEIGHTS, **_VOCABULARY_WEIGHTS}
     for name in weight_names(directory):
         bare = name.removeprefix("model.")
-        for prefix, what in _UNUSABLE_WEIGHTS.items():
+        for prefix, what in unusable.items():
             if bare.startswith(prefix):
                 raise CheckpointError(f"{directory} ships {what} ({name}), which blockspec does not use: it drafts "
-                                      "through the target's own embedding and LM head")
+                                      "through the target's own embedding and LM head (a draft of its own head "
+                                      "sets draft_vocab_size below vocab_size, with d2t)")
 
 
 def weight_names(directory) -> list[str]:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from blockspec.errors import CheckpointError
 from blockspec.models.dflash import apply_rope
+from blockspec.models.draft_vocab import DraftVocabulary
 
 KeyValues = tuple[torch.Tensor, torch.Tensor]
 
@@ -56,7 +56,7 @@ class CachedAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (keys, values)
 
 
-class RecursiveDraftModel(nn.Module):
+class RecursiveDraftModel(DraftVocabulary, nn.Module):
     """What EAGLE-3 and MTP share: the recursion, the masks, the draft vocabulary maps.
 
     A subclass (also a ``PreTrainedModel``) provides ``self.layer`` (the one decoder layer,
@@ -77,46 +77,6 @@ class RecursiveDraftModel(nn.Module):
         """One pass of the layer: (output hidden [B, T, D], new keys/values)."""
         rope = self.rotary_emb(hidden, position_ids)
         return self.layer(embeddings, hidden, rope, past, mask)
-
-    # --- vocabulary compression ---------------------------------------------------------
-
-    def register_draft_vocabulary(self, config) -> int:
-        """The d2t / t2d buffers (the identity map when the draft vocabulary is the target's); its size."""
-        size = getattr(config, "draft_vocab_size", None) or config.vocab_size
-        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
-        self.register_buffer("t2d", torch.full((config.vocab_size,), size == config.vocab_size, dtype=torch.bool))
-        return size
-
-    @property
-    def draft_to_target(self) -> torch.LongTensor:
-        """Target id of each draft id, [K]."""
-        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
-
-    @property
-    def target_to_draft(self) -> torch.LongTensor:
-        """Draft id of each target id, -1 where the target token is not in the draft vocabulary, [V]."""
-        index = torch.cumsum(self.t2d.long(), dim=0) - 1
-        return torch.where(self.t2d, index, torch.full_like(index, -1))
-
-    def set_draft_vocabulary(self, target_ids: torch.LongTensor) -> None:
-        """Use the given target ids (sorted, distinct) as the draft vocabulary."""
-        ids = torch.as_tensor(target_ids, dtype=torch.long).sort().values
-        if ids.numel() != self.d2t.numel():
-            raise ValueError(f"the draft vocabulary holds {self.d2t.numel()} ids, got {ids.numel()}")
-        with torch.no_grad():
-            self.d2t.copy_(ids - torch.arange(ids.numel()))
-            self.t2d.zero_()
-            self.t2d[ids] = True
-
-    def check_draft_vocabulary(self, where) -> None:
-        ids = self.draft_to_target
-        size = self.t2d.numel()
-        ordered = bool((ids[1:] > ids[:-1]).all()) if ids.numel() > 1 else True
-        if not ordered or int(ids.min()) < 0 or int(ids.max()) >= size or not bool(self.t2d[ids].all()) \
-                or int(self.t2d.sum()) != ids.numel():
-            raise CheckpointError(
-                f"{where}: d2t and t2d do not describe the same draft vocabulary (d2t must map draft ids "
-                "to increasing target ids, and t2d must mark exactly those ids)")
 
     # --- training: the unrolled recursion -----------------------------------------------
 

@@ -252,21 +252,15 @@ class RecursiveTraining:
 
 
 def frequent_tokens(samples, count: int, always=()) -> torch.LongTensor:
-    """The ``count`` target ids most frequent in the responses (stop ids always in), sorted."""
-    counts = Counter()
+    """The ``count`` target ids most frequent in the responses (stop ids always in), sorted; prompt
+    tokens, then the lowest ids, fill a vocabulary larger than the responses' distinct tokens."""
+    from blockspec.models.draft_vocab import most_frequent
+
+    responses, prompts = Counter(), Counter()
     for sample in samples:
-        counts.update(sample.input_ids[sample.loss_mask].tolist())
-    chosen = list(dict.fromkeys(list(always) + [token for token, _ in counts.most_common()]))[:count]
-    if len(chosen) < count:  # fewer distinct tokens than asked: prompt tokens, then the lowest ids
-        prompt_counts = Counter()
-        for sample in samples:
-            prompt_counts.update(sample.input_ids[~sample.loss_mask].tolist())
-        seen = set(chosen)
-        extra = [t for t, _ in prompt_counts.most_common() if t not in seen]
-        chosen += extra[: count - len(chosen)]
-        seen.update(chosen)
-        chosen += [t for t in range(count + len(seen)) if t not in seen][: count - len(chosen)]
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+        responses.update(sample.input_ids[sample.loss_mask].tolist())
+        prompts.update(sample.input_ids[~sample.loss_mask].tolist())
+    return most_frequent(responses, count, always, fallback=prompts)
 
 
 # ---------------------------------------------------------------------------

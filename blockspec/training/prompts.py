@@ -29,6 +29,19 @@ SKIP_REASONS = (NO_TEXT, TEST_SPLIT, DUPLICATE, TOO_LONG)
 MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: task_id 11..510
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
+#: Ways users ask: a drafter trained on one phrasing of its prompts drafts worse for the others.
+#: "suffix" is the benchmark's gsm8k phrasing; a "chat" record takes one of CHAT_WRAPPERS.
+PROMPT_STYLES = ("plain", "suffix", "chat")
+CHAT_WRAPPERS = (
+    "Can you help me with this?\n\n{}",
+    "{}\nShow your work.",
+    "Solve this: {}",
+    "Question: {}\nAnswer:",
+    "Hi! {} Thanks in advance.",
+    "I'm stuck on this one. {}",
+    "{}\nExplain briefly.",
+)
+
 # Fields tried, in this order, for a row's prompt text and for a response given in the data.
 PROMPT_FIELDS = ("prompt", "instruction", "question", "text")
 RESPONSE_FIELDS = ("response", "output", "completion", "answer")
@@ -148,6 +161,28 @@ def load_prompts(
     for record in records:
         file_of[record.id].kept += 1
     return records, report
+
+
+def restyle_prompts(records: Sequence[PromptRecord], styles: Sequence[str], *, seed: int = 0) -> list[PromptRecord]:
+    """Each record's last user message asked in one of ``styles`` (PROMPT_STYLES), picked per record
+    from ``seed`` and its id; the id gains ``@style`` so restyled prompts never clash with the originals."""
+    unknown = sorted(set(styles) - set(PROMPT_STYLES))
+    if unknown or not styles:
+        raise BlockspecError(f"prompt styles must be some of {', '.join(PROMPT_STYLES)}, got {list(styles)}")
+    restyled = []
+    for record in records:
+        pick = random.Random(f"{seed}:{record.id}")
+        style = pick.choice(list(styles))
+        messages = [dict(m) for m in record.messages]
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        text = messages[last]["content"]
+        if style == "suffix":
+            text = text + GSM8K_INSTRUCTION
+        elif style == "chat":
+            text = pick.choice(CHAT_WRAPPERS).format(text)
+        messages[last]["content"] = text
+        restyled.append(PromptRecord(id=f"{record.id}@{style}", messages=messages, response=record.response))
+    return restyled
 
 
 def _id_prefixes(paths: list[Path]) -> list[str]:
