@@ -1,4 +1,5 @@
-"""EAGLE-3, MTP and the draft LM trained by the one trainer: they learn, save, load and stay lossless."""
+"""EAGLE-3, MTP, the draft LM and DFlash over a reduced draft vocabulary, trained by the one trainer: they
+learn, save, load and stay lossless."""
 
 import copy
 
@@ -13,13 +14,19 @@ from blockspec.training.methods import frequent_tokens
 from blockspec.training.trainer import Trainer
 from helpers import small_config
 
-METHODS = ["eagle3", "mtp", "draft"]
+METHODS = ["eagle3", "mtp", "draft", "dflash-reduced"]
 OPTIONS = {"eagle3": dict(draft_vocab_size=200, ttt_steps=3), "mtp": dict(draft_vocab_size=200, ttt_steps=3),
-           "draft": dict(num_layers=1)}
+           "draft": dict(num_layers=1), "dflash-reduced": dict(method="dflash", draft_vocab_size=40, anchors_per_sequence=12)}
+#: steps of the trained fixture: a block drafter needs more than the one-token-ahead heads
+STEPS = {"dflash-reduced": 100}
 
 
 def method_config(out, method, **overrides):
-    return small_config(out, method=method, **{**OPTIONS[method], **overrides})
+    return small_config(out, **{"method": method, **OPTIONS[method], **overrides})
+
+
+def method_name(method):
+    return method.split("-")[0]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +37,8 @@ def trained(learned_target, training_data, tmp_path_factory):
     results = {}
     for method in METHODS:
         out = tmp_path_factory.mktemp(method)
-        trainer = Trainer(method_config(out, method, max_steps=60, lr=3e-3), target, samples, eval_prompts)
+        trainer = Trainer(method_config(out, method, max_steps=STEPS.get(method, 60), lr=3e-3), target, samples,
+                          eval_prompts)
         untrained = trainer.evaluate()["tau"]
         state = trainer.run()
         results[method] = (untrained, trainer.evaluate()["tau"], state.losses, out)
@@ -48,8 +56,8 @@ def test_training_lowers_the_loss_and_raises_tau(trained, method):
 def test_the_saved_draft_loads_by_its_method_and_keeps_tau(trained, learned_target, training_data, method):
     target, _, _ = learned_target
     _, tau, _, out = trained[method]
-    assert detect_method(out / "draft") == method
-    drafter = build_drafter(method, target, str(out / "draft"))
+    assert detect_method(out / "draft") == method_name(method)
+    drafter = build_drafter(method_name(method), target, str(out / "draft"))
     _, eval_prompts = training_data
     lengths = []
     for ids in eval_prompts:
@@ -66,7 +74,8 @@ def test_trained_drafters_are_lossless(trained, learned_target, training_data, m
     samples, eval_prompts = training_data
     # float64: block verification and one-token decoding cannot disagree by rounding
     reference = Target(copy.deepcopy(target.model).double(), target.tokenizer, "learned-fp64")
-    drafter = build_drafter(method, reference, str(trained[method][3] / "draft"), block_size=block_size)
+    options = {} if method == "dflash-reduced" else {"block_size": block_size}
+    drafter = build_drafter(method_name(method), reference, str(trained[method][3] / "draft"), **options)
     if method == "draft":
         drafter.model.double()
     prompts = list(eval_prompts) + [s.input_ids[~s.loss_mask].unsqueeze(0) for s in samples[:16]]
@@ -83,7 +92,7 @@ def test_trained_drafters_are_lossless(trained, learned_target, training_data, m
     assert accepted > 0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft"])
+@pytest.mark.parametrize("method", ["eagle3", "draft", "dflash-reduced"])
 def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, training_data, tmp_path, method):
     target, _, _ = learned_target
     samples, _ = training_data
@@ -93,6 +102,22 @@ def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, train
     resumed = Trainer(method_config(tmp_path / "cut", method, max_steps=8, save_every=4), target, samples,
                       resume=True).run()
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5, abs=1e-6)
+
+
+def test_reduced_dflash_trains_on_its_rows_and_counts_the_labels_outside(learned_target, training_data, tmp_path):
+    from blockspec.models.dflash import load_dflash_model
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    trainer = Trainer(method_config(tmp_path, "dflash-reduced", max_steps=3), target, samples)
+    trainer.run()
+    model = trainer.model
+    assert model.compressed and model.lm_head.weight.shape[0] == 40 and not model.lm_head.weight.requires_grad
+    head = target.model.get_output_embeddings().weight
+    assert torch.equal(model.lm_head.weight, head[model.draft_to_target].float())  # the target's rows, frozen
+    assert 0 < trainer.method.outside < trainer.method.positions  # 40 rows leave some labels out
+    assert "masked from the loss" in trainer.method.summary()
+    assert load_dflash_model(tmp_path / "draft").draft_to_target.tolist() == model.draft_to_target.tolist()
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_response_tokens():

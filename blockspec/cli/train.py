@@ -50,8 +50,10 @@ def add_train_draft_command(commands) -> None:
                        help="eagle3/mtp: recursion steps unrolled in training (training-time test)")
     draft.add_argument("--step-decay", type=float, default=None,
                        help="eagle3/mtp: loss weight decay per step (default 0.8 eagle3, 0.6 mtp)")
-    draft.add_argument("--draft-vocab-size", type=int, default=4096,
-                       help="eagle3/mtp: draft vocabulary, the most frequent response tokens (default 4096)")
+    draft.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="draft vocabulary: the most frequent response tokens (and the stop tokens), the rows of "
+                            "the LM head the drafter scores (eagle3/mtp default 4096; dflash default: the whole "
+                            "vocabulary; e.g. 8192 makes a dflash pass and step cheaper)")
     recipe = parser.add_argument_group("recipe (ablation switches)")
     recipe.add_argument("--fixed-blocks", dest="random_anchors", action="store_false",
                         help="consecutive blocks instead of random anchors")

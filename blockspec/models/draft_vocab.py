@@ -28,6 +28,8 @@ class DraftVocabulary:
         self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
         self.register_buffer("t2d", torch.full((config.vocab_size,), size == config.vocab_size, dtype=torch.bool),
                              persistent=save_t2d)
+        if not save_t2d:  # loading d2t (a checkpoint, a resumed run) must move t2d with it
+            self.register_load_state_dict_post_hook(lambda module, _keys: module.derive_t2d("the loaded draft"))
         return size
 
     def derive_t2d(self, where) -> None:

@@ -28,6 +28,9 @@ from blockspec.training.vocab_loss import head_cross_entropy, linear_soft_cross_
 TRAINABLE_METHODS = ("dflash", "eagle3", "mtp", "draft")
 #: Loss weight of unrolled step k is decay**k (EAGLE-3 uses 0.8; FastMTP decays faster).
 DEFAULT_STEP_DECAY = {"eagle3": 0.8, "mtp": 0.6}
+#: EAGLE-3 / MTP draft vocabulary when none is given (the most frequent response tokens); DFlash's is the
+#: target's whole vocabulary unless one is given.
+DEFAULT_RECURSIVE_VOCABULARY = 4096
 
 
 @dataclass
@@ -60,6 +63,9 @@ class TrainingMethod(Protocol):
     def write(self, model, directory, target) -> None:
         """Save the model in its public layout into ``directory`` (the trainer makes it atomic)."""
 
+    def summary(self) -> str | None:
+        """A line about the run the method alone can tell (None: nothing to add)."""
+
 
 def training_method(name: str) -> TrainingMethod:
     methods = {"dflash": DFlashTraining, "eagle3": RecursiveTraining, "mtp": RecursiveTraining,
@@ -77,6 +83,9 @@ def training_method(name: str) -> TrainingMethod:
 class DFlashTraining:
     def __init__(self, name="dflash"):
         self.name = name
+        #: supervised block positions seen, and those whose label is outside a reduced draft vocabulary
+        self.positions = 0
+        self.outside = 0
 
     def build(self, config, target, samples):
         from blockspec.models.dflash import DFlashDraftModel, check_fits_target, make_dflash_config
@@ -97,6 +106,12 @@ class DFlashTraining:
         if config.soft_labels:
             check_soft_labels(model, target)
         copy_final_norm(model.norm, target_model)
+        if config.draft_vocab_size and config.draft_vocab_size < vocab:
+            if config.soft_labels:
+                raise BlockspecError("--soft-labels learns the target's whole next-token distribution; it does not "
+                                     "combine with a reduced --draft-vocab-size")
+            vocabulary = frequent_tokens(samples, config.draft_vocab_size, target.stop_token_ids())
+            model.compress_vocabulary(vocabulary, target_model.get_output_embeddings().weight)
         return model
 
     def load(self, directory):
@@ -123,6 +138,8 @@ class DFlashTraining:
         supervised = blocks.weights > 0
         labels, weights = blocks.labels[supervised].to(device), blocks.weights[supervised].to(device)
         head = target.model.get_output_embeddings()
+        if model.compressed:
+            return self._compressed_loss(model, hidden[supervised.to(device)], labels, weights)
         if config.soft_labels:
             teacher = teacher_states(model, target, batch.features, blocks.block_positions, supervised)
             losses, hits = linear_soft_cross_entropy(hidden[supervised.to(device)], head.weight, teacher.to(device),
@@ -130,6 +147,24 @@ class DFlashTraining:
         else:
             losses, hits = head_cross_entropy(head, hidden[supervised.to(device)], labels)
         return block_loss(losses, hits, weights)
+
+    def _compressed_loss(self, model, hidden, labels, weights):
+        """The loss over the draft vocabulary's rows: a position whose label is outside them cannot be drafted,
+        so it is masked (weight 0), counted, and scored as a miss."""
+        rows = model.target_to_draft.to(labels.device)[labels]
+        inside = rows >= 0
+        self.positions += int(labels.numel())
+        self.outside += int((~inside).sum())
+        losses, hits = head_cross_entropy(model.lm_head, hidden, rows.clamp_min(0))
+        loss, _ = block_loss(losses, hits, weights * inside)
+        return loss, (hits & inside).float().mean().item() if hits.numel() else math.nan
+
+    def summary(self) -> str | None:
+        """The share of supervised positions a reduced draft vocabulary could not draft (None: full head)."""
+        if not self.positions:
+            return None
+        return (f"labels outside the draft vocabulary: {self.outside} of {self.positions} supervised positions "
+                f"({100 * self.outside / self.positions:.2f}%), masked from the loss")
 
     def drafter(self, model, target):
         from blockspec.drafters.dflash import DFlashDrafter
@@ -185,7 +220,7 @@ class RecursiveTraining:
     def build(self, config, target, samples):
         target_model = target.model
         target_config = target_model.config
-        vocab_size = int(min(config.draft_vocab_size or target_config.vocab_size, target_config.vocab_size))
+        vocab_size = int(min(config.draft_vocab_size or DEFAULT_RECURSIVE_VOCABULARY, target_config.vocab_size))
         if self.name == "eagle3":
             from blockspec.models.eagle3 import Eagle3DraftModel, make_eagle3_config
 
@@ -246,6 +281,9 @@ class RecursiveTraining:
         from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 
         return RecursiveDrafter(copy.deepcopy(model), target.model, name=self.name)
+
+    def summary(self):
+        return None
 
     def write(self, model, directory, target):
         model.save_pretrained(directory, safe_serialization=True)
@@ -310,6 +348,9 @@ class DraftModelTraining:
         generation = getattr(target.model, "generation_config", None)
         if generation is not None:
             generation.save_pretrained(directory)
+
+    def summary(self):
+        return None
 
 
 def shrink_target(target_model, num_layers: int):

@@ -111,6 +111,8 @@ def train_draft(target_name: str, data: DataConfig, config: TrainConfig, *, resu
         _say(rank, f"target features kept in memory: about {kept / 2**30:.1f} GiB by the end "
                    "(--feature-cache DIR keeps them on disk)")
     trainer.run()
+    if (line := trainer.method.summary()) is not None:
+        _say(rank, line)
     if trainer.features is not None and trainer.features.store is not None:
         _say(rank, trainer.features.store.summary())
     if trainer.eval_prompts and rank == 0:

@@ -66,7 +66,8 @@ class TrainConfig:
     # eagle3 / mtp: unrolled steps, loss decay per step (None: the method's default), draft vocabulary
     ttt_steps: int = 4
     step_decay: float | None = None
-    draft_vocab_size: int | None = 4096
+    #: eagle3/mtp: default 4096; dflash: the target's whole vocabulary unless given
+    draft_vocab_size: int | None = None
     # the recipe's switches (for ablations)
     random_anchors: bool = True
     decay_weights: bool = True
@@ -293,6 +294,10 @@ class Trainer(TrainingLoop):
             raise BlockspecError(f"--init-from {directory}: no such directory (give a drafter saved by train-draft)")
         loaded = self.method.load(directory)
         weights = loaded.state_dict()
+        if getattr(self.model, "compressed", False) and not getattr(loaded, "compressed", False):
+            # a whole-vocabulary drafter starts a reduced-vocabulary one: the head rows are this run's
+            weights.update({key: value for key, value in self.model.state_dict().items()
+                            if key in ("lm_head.weight", "d2t")})
         if self.config.grow_layers:
             weights = grown_weights(self.model, weights, f"--init-from {directory}")
         problems = describe_state_mismatch(self.model.state_dict(), weights)
