@@ -16,7 +16,8 @@ from helpers import small_config
 
 METHODS = ["eagle3", "mtp", "draft", "dflash-reduced"]
 OPTIONS = {"eagle3": dict(draft_vocab_size=200, ttt_steps=3), "mtp": dict(draft_vocab_size=200, ttt_steps=3),
-           "draft": dict(num_layers=1), "dflash-reduced": dict(method="dflash", draft_vocab_size=40, anchors_per_sequence=12)}
+           "draft": dict(num_layers=1),
+           "dflash-reduced": dict(method="dflash", draft_vocab_size=40, anchors_per_sequence=12)}
 #: steps of the trained fixture: a block drafter needs more than the one-token-ahead heads
 STEPS = {"dflash-reduced": 100}
 
