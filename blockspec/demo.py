@@ -172,6 +172,9 @@ def _figures(row: dict, baseline, ar: dict, dflash: dict, block_size: int | str)
         "acceptance_lengths": list(stats.acceptance_lengths),
         "verify_widths": list(stats.verified),
         "mean_verify_width": statistics.mean(stats.verified) if stats.verified else 0.0,
+        "draft_ms_per_step": stats.draft_ms_per_step,
+        "verify_ms_per_step": stats.verify_ms_per_step,
+        "draft_share": stats.draft_share,
         "ar_time": ar["time"],
         "dflash_time": dflash["time"],
         "hf_tokens_per_s": hf_tokens_per_s,
@@ -222,6 +225,8 @@ def _print_figures(console, figure: dict) -> None:
     console.print(
         f"[bold]tau[/] {figure['tau']:.2f}  "
         f"[bold]verify width[/] {figure['mean_verify_width']:.1f} mean  "
+        f"[bold]step[/] {figure['draft_ms_per_step']:.1f} ms drafting + {figure['verify_ms_per_step']:.1f} ms "
+        f"verifying  "
         f"[bold]tok/s[/] DFlash {figure['dflash_tokens_per_s']:.1f}, AR {figure['ar_tokens_per_s']:.1f}, "
         f"HF {figure['hf_tokens_per_s']:.1f}  "
         f"[bold green]speedup {figure['speedup']:.2f}x over AR, {figure['speedup_vs_hf']:.2f}x over HF[/]  "
@@ -234,13 +239,13 @@ def _print_summary(console, figures: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="DFlash vs autoregressive, greedy", title_style="bold")
-    columns = ("prompt", "tokens", "tau", "verify\nwidth", "HF\ntok/s", "AR\ntok/s", "DFlash\ntok/s", "x AR",
-               "x HF", "first token\nms AR/DF", "same")
+    columns = ("prompt", "tokens", "tau", "verify\nwidth", "draft/verify\nms a step", "HF\ntok/s", "AR\ntok/s",
+               "DFlash\ntok/s", "x AR", "x HF", "first token\nms AR/DF", "same")
     for name in columns:
         table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=name != "prompt")
     for f in figures:
         table.add_row(_plain(f["id"]), str(f["new_tokens"]), f"{f['tau']:.2f}", f"{f['mean_verify_width']:.1f}",
-                      f"{f['hf_tokens_per_s']:.1f}", f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}",
+                      f"{f['draft_ms_per_step']:.1f}/{f['verify_ms_per_step']:.1f}", f"{f['hf_tokens_per_s']:.1f}", f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}",
                       f"{f['speedup']:.2f}x", f"{f['speedup_vs_hf']:.2f}x",
                       f"{f['ar_ttft'] * 1000:.0f}/{f['dflash_ttft'] * 1000:.0f}",
                       "[green]yes[/]" if f["match"] else "[bold red]NO[/]")
@@ -254,6 +259,9 @@ def _print_summary(console, figures: list[dict]) -> None:
         console.print(f"{label}: mean [bold green]{statistics.mean(values):.2f}x[/], "
                       f"median {statistics.median(values):.2f}x")
     console.print(f"tau: mean [bold]{statistics.mean(taus):.2f}[/], median {statistics.median(taus):.2f}")
+    shares = [f["draft_share"] for f in figures]
+    console.print(f"drafting's share of a DFlash step: mean [bold]{100 * statistics.mean(shares):.0f}%[/] "
+                  f"(the rest verifies)")
     mismatches = sum(not f["match"] for f in figures)
     if mismatches:
         console.print(f"[bold red]WARNING: {mismatches} of {len(figures)} prompts gave DFlash tokens that differ "

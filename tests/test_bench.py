@@ -72,6 +72,12 @@ def test_summary_figures(greedy_run):
     assert 0 < len(dflash["acceptance_by_position"]) <= 15
     assert all(0.0 <= rate <= 1.0 for rate in dflash["acceptance_by_position"])
     assert dflash["checked"] == 3 and dflash["mismatches"] == 0
+    # where a step's time goes: drafting and verifying, measured apart (HF's loop does not say)
+    assert dflash["draft_ms_per_step"] > 0 and dflash["verify_ms_per_step"] > 0
+    assert 0 < dflash["draft_share"] < 1
+    assert dflash["draft_seconds"] + dflash["verify_seconds"] <= sum(
+        r["seconds"] for r in greedy_run.records if r["method"] == "dflash")
+    assert summary["all"]["hf"]["draft_share"] == 0 and summary["all"]["ar"]["draft_share"] < 0.05  # no drafter
 
 
 def test_outputs_are_written(greedy_run, tmp_path):

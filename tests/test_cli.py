@@ -22,6 +22,9 @@ def test_generate_json_with_a_draft(tiny_target_dir, tiny_draft_dir, capsys):
     assert set(result) >= {"token_ids", "text", "acceptance_lengths", "tau", "tokens_per_s"}
     assert 1 <= len(result["token_ids"]) <= 20
     assert all(1 <= n <= 4 for n in result["acceptance_lengths"])
+    assert result["draft_ms_per_step"] > 0 and result["verify_ms_per_step"] > 0 and 0 < result["draft_share"] < 1
+    steps = len(result["acceptance_lengths"])
+    assert result["draft_seconds"] == pytest.approx(result["draft_ms_per_step"] * steps / 1000)
 
 
 def test_greedy_output_is_the_same_with_and_without_a_draft(tiny_target_dir, tiny_draft_dir, capsys):

@@ -42,6 +42,9 @@ class Decode:
     finish_reason: str = ""
     #: Per decode step, tokens the verify forward carried (empty for methods that do not say).
     verified: list[int] = field(default_factory=list)
+    #: Decode-phase seconds spent drafting and verifying (0 for methods that do not say).
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class LoopMethod:
@@ -69,7 +72,8 @@ class LoopMethod:
         stats = stream.stats
         return Decode(list(stream.token_ids), stats.total_time, stats.time_to_first_token,
                       list(stats.acceptance_lengths), list(stats.drafted), list(stats.accepted),
-                      memory.peak_mib, stats.finish_reason, list(stats.verified))
+                      memory.peak_mib, stats.finish_reason, list(stats.verified), stats.draft_seconds,
+                      stats.verify_seconds)
 
 
     def warm_up(self, longest: int, config: GenerationConfig) -> None:

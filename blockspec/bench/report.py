@@ -52,6 +52,7 @@ def _figures(rows: list[dict], method: str) -> dict:
         "tokens_per_s_per_prompt_mean": _mean([r["tokens_per_s"] for r in mine]),
         "time_to_first_token_mean": _mean([r["time_to_first_token"] for r in mine]),
         "peak_memory_mib": max((r["peak_memory_mib"] for r in mine), default=0.0),
+        **_step_times(mine, len(steps)),
         "mismatches": sum(r.get("matches_reference") is False and not r.get("cross_path") for r in mine),
         "cross_path_differences": sum(r.get("matches_reference") is False and bool(r.get("cross_path"))
                                       for r in mine),
@@ -62,6 +63,17 @@ def _figures(rows: list[dict], method: str) -> dict:
         figures[f"speedup_vs_{baseline}_median"] = statistics.median(ratios) if ratios else None
         figures[f"speedup_vs_{baseline}_mean"] = _mean(ratios) if ratios else None
     return figures
+
+
+def _step_times(records: list[dict], steps: int) -> dict:
+    """Where a decode step's time goes: drafting and verifying, in total, per step, and the drafter's share
+    (zeros for methods that do not say, and records written before these were kept)."""
+    draft = sum(r.get("draft_seconds", 0.0) for r in records)
+    verify = sum(r.get("verify_seconds", 0.0) for r in records)
+    return {"draft_seconds": draft, "verify_seconds": verify,
+            "draft_ms_per_step": 1000 * draft / steps if steps and draft else 0.0,
+            "verify_ms_per_step": 1000 * verify / steps if steps and verify else 0.0,
+            "draft_share": draft / (draft + verify) if draft + verify > 0 else 0.0}
 
 
 def per_prompt_speedups(rows: list[dict], method: str, baseline: str) -> list[float]:
@@ -83,16 +95,23 @@ def _mean(values) -> float:
 
 def markdown_table(summary: dict) -> str:
     header = ("| dataset | method | prompts | tau | tok/s | speedup vs ar (median / mean) "
-              "| speedup vs hf (median / mean) | speedup vs hf-compiled (median / mean) | TTFT ms | peak MiB "
-              "| same tokens as ar |")
-    lines = [header, "|" + "---|" * 11]
+              "| speedup vs hf (median / mean) | speedup vs hf-compiled (median / mean) | TTFT ms "
+              "| draft / verify ms per step (draft share) | peak MiB | same tokens as ar |")
+    lines = [header, "|" + "---|" * 12]
     for dataset, methods in summary.items():
         for method, f in methods.items():
             lines.append(f"| {dataset} | {method} | {f['prompts']} | {f['tau']:.2f} | {f['tokens_per_s']:.1f} "
                          f"| {_ratio_pair(f, 'ar')} | {_ratio_pair(f, 'hf')} | {_ratio_pair(f, 'hf-compiled')} "
-                         f"| {f['time_to_first_token_mean'] * 1000:.0f} | {f['peak_memory_mib']:.0f} "
-                         f"| {_check(f)} |")
+                         f"| {f['time_to_first_token_mean'] * 1000:.0f} | {_step_split(f)} "
+                         f"| {f['peak_memory_mib']:.0f} | {_check(f)} |")
     return "\n".join(lines) + "\n"
+
+
+def _step_split(figures: dict) -> str:
+    if not figures.get("draft_ms_per_step"):
+        return "-"
+    return (f"{figures['draft_ms_per_step']:.1f} / {figures['verify_ms_per_step']:.1f} "
+            f"({100 * figures['draft_share']:.0f}%)")
 
 
 def _ratio_pair(figures: dict, baseline: str) -> str:

@@ -177,6 +177,8 @@ def _record(target, row: dict, method, turns: list[dict], reference: list[dict] 
         "drafted": [n for d in decodes for n in d.drafted],
         "accepted": [n for d in decodes for n in d.accepted],
         "verified": [n for d in decodes for n in d.verified],
+        "draft_seconds": sum(d.draft_seconds for d in decodes),
+        "verify_seconds": sum(d.verify_seconds for d in decodes),
         "peak_memory_mib": max(d.peak_memory_mib for d in decodes),
         "finish_reasons": [d.finish_reason for d in decodes],
         "token_ids": [d.token_ids for d in decodes],

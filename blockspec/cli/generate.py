@@ -50,7 +50,9 @@ def run_generate(args) -> int:
         stats = result.stats
         print(f"\n[{'AR' if drafter is None else drafter.name}] {stats.new_tokens} tokens, "
               f"tau {stats.tau:.2f}, {stats.tokens_per_s:.1f} tokens/s, "
-              f"first token {stats.time_to_first_token * 1000:.0f} ms", file=sys.stderr)
+              f"first token {stats.time_to_first_token * 1000:.0f} ms"
+              + ("" if drafter is None else f", a step {stats.draft_ms_per_step:.1f} ms drafting + "
+                 f"{stats.verify_ms_per_step:.1f} ms verifying"), file=sys.stderr)
     return 0
 
 

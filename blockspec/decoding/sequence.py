@@ -91,6 +91,10 @@ class GenerationStats:
     verified: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
     total_time: float = 0.0
+    #: Decode-phase wall time spent drafting (the drafter's passes, choosing the width) and verifying (the target's
+    #: forward, acceptance, the drafter taking the kept tokens), summed over the steps.
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
     finish_reason: str = ""
 
     @property
@@ -107,6 +111,22 @@ class GenerationStats:
     def target_forwards(self) -> int:
         return 1 + len(self.acceptance_lengths)
 
+    @property
+    def draft_ms_per_step(self) -> float:
+        steps = len(self.acceptance_lengths)
+        return 1000 * self.draft_seconds / steps if steps else 0.0
+
+    @property
+    def verify_ms_per_step(self) -> float:
+        steps = len(self.acceptance_lengths)
+        return 1000 * self.verify_seconds / steps if steps else 0.0
+
+    @property
+    def draft_share(self) -> float:
+        """The drafter's share of a decode step's time (0 without a drafter)."""
+        total = self.draft_seconds + self.verify_seconds
+        return self.draft_seconds / total if total > 0 else 0.0
+
     def acceptance_by_position(self) -> list[float]:
         """P(draft k accepted | k drafted), k = 1..max drafted."""
         return acceptance_by_position(self.drafted, self.accepted)
@@ -114,7 +134,8 @@ class GenerationStats:
     def to_dict(self) -> dict:
         data = asdict(self)
         data.update(tau=self.tau, tokens_per_s=self.tokens_per_s, target_forwards=self.target_forwards,
-                    acceptance_by_position=self.acceptance_by_position())
+                    draft_ms_per_step=self.draft_ms_per_step, verify_ms_per_step=self.verify_ms_per_step,
+                    draft_share=self.draft_share, acceptance_by_position=self.acceptance_by_position())
         return data
 
 

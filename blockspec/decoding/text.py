@@ -35,6 +35,11 @@ class GenerationResult:
             "tau": self.stats.tau,
             "tokens_per_s": self.stats.tokens_per_s,
             "time_to_first_token": self.stats.time_to_first_token,
+            "draft_seconds": self.stats.draft_seconds,
+            "verify_seconds": self.stats.verify_seconds,
+            "draft_ms_per_step": self.stats.draft_ms_per_step,
+            "verify_ms_per_step": self.stats.verify_ms_per_step,
+            "draft_share": self.stats.draft_share,
             "stats": self.stats.to_dict(),
         }
 
