@@ -192,3 +192,59 @@ def test_the_public_reference_loads_a_compressed_draft_and_keeps_greedy_output(w
     for ids, expected in references[:3]:
         out = reference.dflash_generate(draft, target, ids, MAX_NEW, None)
         assert out[0, ids.shape[1]:].tolist() == expected
+
+
+def test_generate_drafts_over_a_vocabulary_counted_from_data(tiny_target_dir, tiny_draft_dir, tmp_path, capsys):
+    from blockspec.cli import main
+
+    cache = tmp_path / "responses.jsonl"
+    cache.write_text("".join(json.dumps({"id": f"r:{i}", "prompt_ids": [5, 6], "response_ids": [7 + i % 30] * 3,
+                                         "finished": True}) + "\n" for i in range(60)))
+    common = ["generate", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--max-new-tokens", "16",
+              "--json", "Write a function"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*common, "--draft-vocab-size", "40", "--draft-vocab-data", str(cache)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["token_ids"] == plain
+    assert "drafting over 40 of the target's" in captured.err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--draft-vocab-size", "40"], "together"),
+    (["--draft-vocab-size", "40", "--draft-vocab-data", "missing.jsonl"], "does not exist"),
+    (["--draft-vocab-size", "40", "--draft-vocab-data", "x.jsonl", "--method", "ngram"], "not ngram"),
+])
+def test_bad_draft_vocabulary_options_get_clear_errors(tiny_target_dir, tiny_draft_dir, tmp_path, capsys, extra,
+                                                       message, monkeypatch):
+    from blockspec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    draft = [] if "ngram" in extra else ["--draft", str(tiny_draft_dir)]
+    assert main(["generate", "hi", "--target", str(tiny_target_dir), *draft, "--max-new-tokens", "4", *extra]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_bench_compares_a_reduced_vocabulary_side_by_side(tiny_target_dir, tiny_draft_dir, tmp_path, capsys):
+    from blockspec.cli import main
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"id": "a/0", "dataset": "a", "turns": ["the cat sat on the mat"]}) + "\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "a dog ran in the park", "response": "the dog ran home"}) + "\n")
+    code = main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir),
+                 "--methods", "ar,dflash,dflash/v64,dflash@4/v64", "--datasets", str(prompts_file),
+                 "--draft-vocab-data", str(data), "--max-new-tokens", "8", "--warmup-tokens", "0",
+                 "--no-chat-template", "--no-progress", "--out", str(tmp_path / "out")])
+    assert code == 0  # a greedy run: every method's tokens equal ar's
+    table = capsys.readouterr().out
+    for method in ("dflash", "dflash/v64", "dflash@4/v64"):
+        assert f"| a | {method} |" in table
+
+
+def test_a_reduced_vocabulary_method_needs_its_data(tiny_target_dir, tiny_draft_dir, tmp_path, capsys):
+    from blockspec.cli import main
+
+    code = main(["bench", "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--methods",
+                 "ar,dflash/v64", "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path / "out")])
+    assert code != 0 and "--draft-vocab-data" in capsys.readouterr().err

@@ -261,7 +261,7 @@ class MemoryMeter:
 
 @dataclass(frozen=True)
 class MethodName:
-    """A benchmark method's name taken apart: METHOD[@WIDTH][/dK]."""
+    """A benchmark method's name taken apart: METHOD[@WIDTH][/dK][/vK]."""
 
     base: str
     #: After '@': a verify width, 'auto', or t and a tree budget, with '-auto' when the cost model
@@ -269,24 +269,30 @@ class MethodName:
     width: str | None = None
     #: After '/d': the dflash drafter's denoising passes.
     denoise_steps: int = 1
+    #: After '/v': the dflash drafter drafts over this many tokens only (counted in --draft-vocab-data).
+    draft_vocab: int | None = None
 
     @property
     def drafter(self) -> str:
-        """The drafter it runs: METHOD, or METHOD/dK when it denoises in K passes."""
-        return self.base if self.denoise_steps == 1 else f"{self.base}/d{self.denoise_steps}"
+        """The drafter it runs: METHOD, with /dK when it denoises in K passes and /vK over a K-token vocabulary."""
+        return (self.base + ("" if self.denoise_steps == 1 else f"/d{self.denoise_steps}")
+                + ("" if self.draft_vocab is None else f"/v{self.draft_vocab}"))
 
 
 def parse_method_name(name: str) -> MethodName:
-    head, slash, steps = name.partition("/")
+    head, *suffixes = name.split("/")
     base, at, width = head.partition("@")
-    if not slash:
-        return MethodName(base, width if at else None)
-    if not (steps.startswith("d") and steps[1:].isdigit() and int(steps[1:]) >= 1):
-        raise BlockspecError(f"benchmark method {name!r}: after '/' give d and the denoising passes >= 1 "
-                             "(dflash/d2)")
-    if base != "dflash":
-        raise BlockspecError(f"benchmark method {name!r}: only dflash denoises in passes (/dK)")
-    return MethodName(base, width if at else None, int(steps[1:]))
+    settings = {}
+    for suffix in suffixes:
+        key = {"d": "denoise_steps", "v": "draft_vocab"}.get(suffix[:1])
+        if key is None or not suffix[1:].isdigit() or int(suffix[1:]) < 1 or key in settings:
+            raise BlockspecError(f"benchmark method {name!r}: after '/' give d and the denoising passes >= 1 "
+                                 "(dflash/d2) or v and a draft vocabulary size (dflash/v8192), each once")
+        settings[key] = int(suffix[1:])
+    if settings and base != "dflash":
+        raise BlockspecError(f"benchmark method {name!r}: only dflash denoises in passes (/dK) or drafts over a "
+                             "reduced vocabulary (/vK)")
+    return MethodName(base, width if at else None, **settings)
 
 
 def parse_width(name: str, width: str) -> int | str:

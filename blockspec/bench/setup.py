@@ -35,12 +35,13 @@ def load_prompts(datasets, data_dir, num_prompts, seed) -> list[dict]:
 
 def load_methods(target_name: str, methods: str | None = None, drafts: list[str] = (), assistant: str | None = None,
                  *, device: str | None = None, dtype: str | None = None, block_size: int | str | None = None,
-                 compile: str = "off"):
+                 compile: str = "off", draft_vocab_data: list[str] | None = None):
     """The target and the methods named, each drafter loaded once.
 
     ``methods``: comma-separated names (None: the default set); ``drafts``: [METHOD=]DIR values;
     ``assistant``: the small LM of the draft and hf-assisted methods; ``compile``: whether blockspec's
-    methods run through the fast path (a DFlash drafter then drafts through its packed LM head).
+    methods run through the fast path (a DFlash drafter then drafts through its packed LM head);
+    ``draft_vocab_data``: the files a dflash/vK method counts its K tokens in.
     """
     from transformers.utils import logging as hf_logging
 
@@ -66,6 +67,8 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
             options = {} if spec.denoise_steps == 1 else {"denoise_steps": spec.denoise_steps}
             if name in DFLASH_METHODS and compiled:
                 options["packed"] = True
+            if spec.draft_vocab is not None:
+                options["draft_vocabulary"] = _draft_vocabulary(target, spec.draft_vocab, draft_vocab_data)
             drafters[key] = build_drafter(name, target, draft, **options)
     if compiled:  # AR shares the graphs of the first drafter that reads features (see fast_forward)
         from blockspec.decoding.fast import fast_forward
@@ -80,6 +83,16 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
         loaded = drafters["draft"].model if same else \
             load_target(wanted, device=str(target.device), dtype=target.model.dtype).model
     return target, build_methods(names, target, drafters=drafters, assistant=loaded, block_size=block_size)
+
+
+def _draft_vocabulary(target, size: int, data: list[str] | None):
+    from blockspec.training.vocabulary import vocabulary_from_files
+
+    if not data:
+        raise BlockspecError(f"a dflash/v{size} method counts its draft vocabulary in data: add --draft-vocab-data FILE "
+                             "(a response cache or prompt files; never the benchmark's own prompts)")
+    return vocabulary_from_files(data, target.tokenizer, size, always=target.stop_token_ids(),
+                                 vocab_size=target.model.get_output_embeddings().weight.shape[0])
 
 
 def parse_drafts(values: list[str], target: str) -> dict[str, str]:

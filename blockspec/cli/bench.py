@@ -42,7 +42,9 @@ def add_models_group(models) -> None:
                              f"{', '.join(DRAFT_METHODS)}, each also as METHOD@WIDTH with its own verify "
                              "width, e.g. dflash@4,dflash@16,dflash@auto, or with a token tree of N nodes, "
                              "dflash@t32; dflash also as dflash[@WIDTH]/dK, drafting in K denoising passes, "
-                             "e.g. dflash/d2,dflash@8/d4 (default: ar,hf,hf-compiled,hf-prompt-lookup,ngram, plus dflash "
+                             "e.g. dflash/d2,dflash@8/d4, and as dflash[@WIDTH]/vK, drafting over the K tokens most "
+                             "frequent in --draft-vocab-data (default: ar,hf,hf-compiled,hf-prompt-lookup,ngram, "
+                             "plus dflash "
                              "when a DFlash drafter is known, plus the methods of every --draft, plus "
                              "draft,hf-assisted with --assistant)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
@@ -53,6 +55,9 @@ def add_models_group(models) -> None:
     models.add_argument("--assistant", default=None,
                         help="a smaller causal LM with the target's tokenizer (directory or known name), "
                              "the draft model of both 'draft' and 'hf-assisted'")
+    models.add_argument("--draft-vocab-data", nargs="+", default=None, metavar="FILE",
+                        help="the data dflash/vK methods count their K tokens in: response caches or prompt files "
+                             "(never the benchmark's own prompts)")
     models.add_argument("--device", default=None)
     models.add_argument("--dtype", default=None)
     models.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
@@ -102,7 +107,8 @@ def run_bench_command(args) -> int:
     config = bench_config(args)
     prompts = load_prompts(args.datasets, args.data_dir, args.num_prompts, args.seed)
     target, methods = load_methods(args.target, args.methods, args.draft, args.assistant, device=args.device,
-                                   dtype=args.dtype, block_size=args.block_size, compile=args.compile)
+                                   dtype=args.dtype, block_size=args.block_size, compile=args.compile,
+                                   draft_vocab_data=args.draft_vocab_data)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"blockspec bench: {len(prompts)} prompts x {', '.join(m.name for m in methods)} on {target.name}",
           file=sys.stderr)

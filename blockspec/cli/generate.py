@@ -105,7 +105,35 @@ def drafter_options(args, method: str) -> dict:
     options = {"sample_drafts": args.draft_sampling == "sample"} if method in DRAFTED_METHODS else {}
     if method == "dflash":
         options["denoise_steps"] = denoise_steps
+    check_draft_vocabulary_options(args, method)
     return options
+
+
+def check_draft_vocabulary_options(args, method: str | None) -> None:
+    size, data = getattr(args, "draft_vocab_size", None), getattr(args, "draft_vocab_data", None)
+    if size is None and data is None:
+        return
+    if method != "dflash":
+        raise BlockspecError(f"--draft-vocab-size is for dflash drafters, not {method}: drop it")
+    if size is None or not data:
+        raise BlockspecError("give --draft-vocab-size K and --draft-vocab-data FILE together (the K most frequent "
+                             "tokens of that data make the draft vocabulary)")
+    if size < 1:
+        raise BlockspecError(f"--draft-vocab-size must be >= 1, got {size}")
+
+
+def draft_vocabulary(args, target):
+    """The target ids of --draft-vocab-size / --draft-vocab-data (None when not given)."""
+    if getattr(args, "draft_vocab_size", None) is None:
+        return None
+    from blockspec.training.vocabulary import vocabulary_from_files
+
+    return vocabulary_from_files(args.draft_vocab_data, target.tokenizer, args.draft_vocab_size,
+                                 always=target.stop_token_ids(), vocab_size=vocab_rows(target))
+
+
+def vocab_rows(target) -> int:
+    return target.model.get_output_embeddings().weight.shape[0]
 
 
 def load_models(args):
@@ -128,6 +156,9 @@ def load_models(args):
         say(reason)
     if compiled and method in DFLASH_METHODS:
         options["packed"] = True
+    if (vocabulary := draft_vocabulary(args, target)) is not None:
+        options["draft_vocabulary"] = vocabulary
+        say(f"drafting over {len(vocabulary)} of the target's {vocab_rows(target)} tokens")
     drafter = None if method is None else build_drafter(method, target, draft, **options)
     if compiled:
         fast_forward(target.model, drafter.feature_layers if drafter is not None else None, progress=say)

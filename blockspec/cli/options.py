@@ -27,7 +27,18 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="drafting method: dflash, eagle3, mtp, draft (a small draft LM), ngram (prompt lookup, "
                              "no --draft) "
                              "or ar (no drafter) (default: read from the --draft checkpoint)")
+    add_draft_vocabulary_options(parser)
     add_device_options(parser)
+
+
+def add_draft_vocabulary_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
+                        help="dflash: draft over the K tokens most frequent in --draft-vocab-data only (their rows of "
+                             "the target's LM head: a cheaper pass; output stays lossless); for drafts without a "
+                             "reduced vocabulary of their own")
+    parser.add_argument("--draft-vocab-data", nargs="+", default=None, metavar="FILE",
+                        help="the data --draft-vocab-size counts tokens in: response caches (.jsonl of prompt_ids/"
+                             "response_ids) or prompt files (their prompts and any responses they give)")
 
 
 def add_target_option(parser: argparse.ArgumentParser) -> None:
