@@ -245,7 +245,8 @@ def _print_summary(console, figures: list[dict]) -> None:
         table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=name != "prompt")
     for f in figures:
         table.add_row(_plain(f["id"]), str(f["new_tokens"]), f"{f['tau']:.2f}", f"{f['mean_verify_width']:.1f}",
-                      f"{f['draft_ms_per_step']:.1f}/{f['verify_ms_per_step']:.1f}", f"{f['hf_tokens_per_s']:.1f}", f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}",
+                      f"{f['draft_ms_per_step']:.1f}/{f['verify_ms_per_step']:.1f}", f"{f['hf_tokens_per_s']:.1f}",
+                      f"{f['ar_tokens_per_s']:.1f}", f"{f['dflash_tokens_per_s']:.1f}",
                       f"{f['speedup']:.2f}x", f"{f['speedup_vs_hf']:.2f}x",
                       f"{f['ar_ttft'] * 1000:.0f}/{f['dflash_ttft'] * 1000:.0f}",
                       "[green]yes[/]" if f["match"] else "[bold red]NO[/]")

@@ -89,8 +89,8 @@ def _draft_vocabulary(target, size: int, data: list[str] | None):
     from blockspec.training.vocabulary import vocabulary_from_files
 
     if not data:
-        raise BlockspecError(f"a dflash/v{size} method counts its draft vocabulary in data: add --draft-vocab-data FILE "
-                             "(a response cache or prompt files; never the benchmark's own prompts)")
+        raise BlockspecError(f"a dflash/v{size} method counts its draft vocabulary in data: add --draft-vocab-data "
+                             "FILE (a response cache or prompt files; never the benchmark's own prompts)")
     return vocabulary_from_files(data, target.tokenizer, size, always=target.stop_token_ids(),
                                  vocab_size=target.model.get_output_embeddings().weight.shape[0])
 
