@@ -11,6 +11,7 @@ turn of each), in a fraction of the time; use it to compare drafters and tree se
 """
 
 import argparse
+import itertools
 import json
 import sys
 from collections import defaultdict
@@ -24,6 +25,7 @@ from blockspec.drafters.registry import build_drafter
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.errors import BlockspecError
 from blockspec.models.target import load_target
+from blockspec.training.vocabulary import vocabulary_from_files
 
 
 def main() -> int:
@@ -41,6 +43,9 @@ def main() -> int:
     parser.add_argument("--tree-top-k", nargs="+", type=int, default=[DEFAULT_TREE_TOP_K],
                         help="children per tree node")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
+                        help="dflash: also replay each drafter over the K tokens most frequent in --draft-vocab-data")
+    parser.add_argument("--draft-vocab-data", nargs="+", default=None, metavar="FILE")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()
     try:
@@ -67,28 +72,53 @@ def run(args) -> list[dict]:
     settings = [(f"chain@{w}", {"block_size": w}) for w in args.widths]
     settings += [(f"tree{b}" + (f"/k{k}" if len(args.tree_top_k) > 1 else ""), {"tree_budget": b, "tree_top_k": k})
                  for b in args.trees for k in args.tree_top_k]
+    vocabularies = [None]
+    if args.draft_vocab_size:
+        vocabularies.append(vocabulary_from_files(args.draft_vocab_data or [], target.tokenizer, args.draft_vocab_size,
+                                                  always=target.stop_token_ids()))
     rows = []
-    for directory in args.draft:
-        for method in args.methods:
-            for name, options in settings:
-                drafter = build_drafter(method, target, None if method == "suffix" else directory)
-                lengths = defaultdict(list)
-                for answer in tqdm(answers, desc=f"{Path(directory).name} {method} {name}", leave=False):
-                    lengths[answer.dataset] += replay_acceptance(target.model, drafter, answer.prompt_ids,
-                                                                 answer.answer_ids, max_new_tokens=max_new,
-                                                                 **options)
-                for dataset, steps in lengths.items():
-                    rows.append({"draft": directory, "method": method, "setting": name, "dataset": dataset,
-                                 "prompts": sum(a.dataset == dataset for a in answers),
-                                 "tau": sum(steps) / len(steps)})
+    for directory, vocabulary, method, (name, options) in itertools.product(args.draft, vocabularies, args.methods,
+                                                                           settings):
+        if vocabulary is not None and method != "dflash":
+            continue
+        extra = {} if vocabulary is None else {"draft_vocabulary": vocabulary}
+        drafter = build_drafter(method, target, None if method == "suffix" else directory, **extra)
+        lengths = defaultdict(list)
+        for answer in tqdm(answers, desc=f"{Path(directory).name} {method} {name}", leave=False):
+            lengths[answer.dataset] += replay_acceptance(target.model, drafter, answer.prompt_ids,
+                                                         answer.answer_ids, max_new_tokens=max_new,
+                                                         **options)
+        for dataset, steps in lengths.items():
+            rows.append({"draft": directory, "method": method, "setting": name, "dataset": dataset,
+                         "vocabulary": drafter_vocabulary_size(drafter),
+                         "prompts": sum(a.dataset == dataset for a in answers),
+                         "tau": sum(steps) / len(steps),
+                         "outside": outside_share(drafter, [a for a in answers if a.dataset == dataset])})
     return rows
 
 
+def drafter_vocabulary_size(drafter) -> int | None:
+    rows = getattr(drafter, "draft_to_target", None)
+    return None if rows is None else len(rows)
+
+
+def outside_share(drafter, answers) -> float | None:
+    """The share of the target's answer tokens a reduced draft vocabulary cannot draft (None: whole vocabulary)."""
+    rows = getattr(drafter, "draft_to_target", None)
+    if rows is None:
+        return None
+    inside = set(rows.tolist())
+    tokens = [t for answer in answers for t in answer.answer_ids]
+    return sum(t not in inside for t in tokens) / max(1, len(tokens))
+
+
 def print_table(rows: list[dict]) -> None:
-    print("| draft | method | setting | dataset | prompts | tau |\n|---|---|---|---|---|---|")
+    print("| draft | vocabulary | method | setting | dataset | prompts | tau | answer tokens outside the vocabulary |"
+          "\n|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {Path(row['draft']).name} | {row['method']} | {row['setting']} | {row['dataset']} | "
-              f"{row['prompts']} | {row['tau']:.3f} |")
+        outside = "-" if row.get("outside") is None else f"{100 * row['outside']:.2f}%"
+        print(f"| {Path(row['draft']).name} | {row.get('vocabulary') or 'whole'} | {row['method']} | {row['setting']} "
+              f"| {row['dataset']} | {row['prompts']} | {row['tau']:.3f} | {outside} |")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from blockspec.models.target import load_target
 from blockspec.training.pipeline import DataConfig, prepare_samples
 from blockspec.training.trainer import TrainConfig, Trainer
 
-
 DATA_FILES = ("gsm8k_train.jsonl", "code_alpaca_2k.json", "mbpp.jsonl")
 
 
