@@ -431,6 +431,24 @@ def test_several_response_caches_are_pooled(learned_target, tmp_path):
                         tmp_path / "out", max_length=256)
 
 
+def test_restyled_answers_train_with_their_records(learned_target, tmp_path):
+    """A cache of the same prompts asked in other styles (ids ID@plain, ID@chat) joins its records' training."""
+    from blockspec.training.pipeline import DataConfig, prepare_samples
+
+    target, _, prompts = learned_target
+    rows = [json.loads(line) for line in first_response_cache(learned_target, tmp_path).read_text().splitlines()]
+    plain, styled = tmp_path / "a.jsonl", tmp_path / "styled.jsonl"
+    plain.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    styled.write_text("".join(json.dumps({**row, "id": f"{row['id']}@{style}"}) + "\n"
+                              for row in rows[:6] for style in ("plain", "chat")) +
+                      json.dumps({**rows[0], "id": "elsewhere:0@chat"}) + "\n")
+    data = DataConfig(files=[str(prompts)], responses="cache", cache=[str(plain), str(styled)], held_out=2)
+    samples, _ = prepare_samples(target, data, tmp_path / "out", max_length=256)
+    ids = sorted(s.id for s in samples)
+    assert ids == sorted([row["id"] for row in rows] + [f"{row['id']}@{style}" for row in rows[:6]
+                                                         for style in ("plain", "chat")])  # not another file's
+
+
 def test_features_are_kept_in_bf16_under_bf16_autocast_and_come_back_as_float32(learned_target, training_data,
                                                                                     tmp_path):
 
