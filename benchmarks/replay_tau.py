@@ -79,7 +79,7 @@ def run(args) -> list[dict]:
     rows = []
     for directory, vocabulary, method, (name, options) in itertools.product(args.draft, vocabularies, args.methods,
                                                                            settings):
-        if vocabulary is not None and method != "dflash":
+        if vocabulary is not None and (method != "dflash" or has_own_vocabulary(directory)):
             continue
         extra = {} if vocabulary is None else {"draft_vocabulary": vocabulary}
         drafter = build_drafter(method, target, None if method == "suffix" else directory, **extra)
@@ -95,6 +95,11 @@ def run(args) -> list[dict]:
                          "tau": sum(steps) / len(steps),
                          "outside": outside_share(drafter, [a for a in answers if a.dataset == dataset])})
     return rows
+
+
+def has_own_vocabulary(directory) -> bool:
+    config = json.loads((Path(directory) / "config.json").read_text())
+    return (config.get("draft_vocab_size") or config["vocab_size"]) < config["vocab_size"]
 
 
 def drafter_vocabulary_size(drafter) -> int | None:
