@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from blockspec.training.pipeline import record_id
 from blockspec.training.prompts import MBPP_TEST_IDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def test_shipped_responses_answer_training_prompts_only(cache):
     ids = cache_ids(cache)
     assert ids and len(set(ids)) == len(ids)
     for prompt_id in ids:
-        source, _, row = prompt_id.rpartition(":")
+        source, _, row = record_id(prompt_id).rpartition(":")  # a restyled prompt is its record's
         assert source in TRAINING_FILES, prompt_id
         if source == "mbpp":  # ids name rows of the file; the test split is task_id 11..510
             assert mbpp_task_ids[int(row)] not in MBPP_TEST_IDS, prompt_id
@@ -46,4 +47,4 @@ def test_the_shipped_caches_do_not_overlap():
         ids = set(cache_ids(cache))
         assert not ids & seen, cache.name
         seen |= ids
-    assert len(CACHES) == 4
+    assert len(CACHES) == 5
