@@ -1,0 +1,47 @@
+"""Copy a trained DFlash drafter into the package's assets, its floating-point weights rounded to bf16.
+
+Half the size of the fp32 files the trainer writes; blockspec loads the weights back in fp32. Integer
+tensors (a reduced vocabulary's ``d2t``) are copied as they are. The copy replaces DST atomically.
+
+    .venv/bin/python scripts/ship_drafter.py runs/dflash-smollm2-v3/draft blockspec/assets/dflash-smollm2-135m
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import safetensors.torch as st
+import torch
+
+from blockspec.io import save_atomically
+
+COPIED = ("mask_embedding.pt",)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path, help="a drafter directory written by train-draft")
+    parser.add_argument("destination", type=Path)
+    args = parser.parse_args()
+    weights = st.load_file(args.source / "model.safetensors")
+    rounded = {name: tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+               for name, tensor in weights.items()}
+    config = json.loads((args.source / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+
+    def write(directory):
+        directory = Path(directory)
+        st.save_file(rounded, directory / "model.safetensors", metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in COPIED:
+            if (args.source / name).is_file():
+                shutil.copy(args.source / name, directory / name)
+
+    save_atomically(write, args.destination)
+    print(f"{args.destination}: {sum(t.numel() for t in weights.values()) / 1e6:.1f}M values, "
+          f"{(args.destination / 'model.safetensors').stat().st_size / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
