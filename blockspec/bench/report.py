@@ -108,8 +108,10 @@ def markdown_table(summary: dict) -> str:
 
 
 def _step_split(figures: dict) -> str:
+    if not figures.get("verify_ms_per_step"):
+        return "-"  # a loop that does not say (HF generate)
     if not figures.get("draft_ms_per_step"):
-        return "-"
+        return f"- / {figures['verify_ms_per_step']:.1f}"  # no drafter
     return (f"{figures['draft_ms_per_step']:.1f} / {figures['verify_ms_per_step']:.1f} "
             f"({100 * figures['draft_share']:.0f}%)")
 

@@ -75,7 +75,8 @@ def decode_step(target: VerifyTarget, sequences: list[Sequence]) -> list[Step]:
     steps = [commit(*args) for args in zip(sequences, drafts, verdicts, outputs)]
     verified = wall_clock(device)
     for sequence in sequences:  # a batch's rows wait for every row's drafts and for the one verify forward
-        sequence.stats.draft_seconds += drafted - began
+        if sequence.drafter is not None:
+            sequence.stats.draft_seconds += drafted - began
         sequence.stats.verify_seconds += verified - drafted
     return steps
 
