@@ -24,8 +24,10 @@ from blockspec.bench.replay import recorded_answers, replay_acceptance
 from blockspec.drafters.registry import build_drafter
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import read_config
+from blockspec.models.dflash import has_reduced_vocabulary
 from blockspec.models.target import load_target
-from blockspec.training.vocabulary import vocabulary_from_files
+from blockspec.training.vocabulary import target_vocabulary
 
 
 def main() -> int:
@@ -74,12 +76,11 @@ def run(args) -> list[dict]:
                  for b in args.trees for k in args.tree_top_k]
     vocabularies = [None]
     if args.draft_vocab_size:
-        vocabularies.append(vocabulary_from_files(args.draft_vocab_data or [], target.tokenizer, args.draft_vocab_size,
-                                                  always=target.stop_token_ids()))
+        vocabularies.append(target_vocabulary(target, args.draft_vocab_data or [], args.draft_vocab_size))
     rows = []
     for directory, vocabulary, method, (name, options) in itertools.product(args.draft, vocabularies, args.methods,
                                                                            settings):
-        if vocabulary is not None and (method != "dflash" or has_own_vocabulary(directory)):
+        if vocabulary is not None and (method != "dflash" or has_reduced_vocabulary(read_config(directory))):
             continue
         extra = {} if vocabulary is None else {"draft_vocabulary": vocabulary}
         drafter = build_drafter(method, target, None if method == "suffix" else directory, **extra)
@@ -95,11 +96,6 @@ def run(args) -> list[dict]:
                          "tau": sum(steps) / len(steps),
                          "outside": outside_share(drafter, [a for a in answers if a.dataset == dataset])})
     return rows
-
-
-def has_own_vocabulary(directory) -> bool:
-    config = json.loads((Path(directory) / "config.json").read_text())
-    return (config.get("draft_vocab_size") or config["vocab_size"]) < config["vocab_size"]
 
 
 def drafter_vocabulary_size(drafter) -> int | None:

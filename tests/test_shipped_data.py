@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from blockspec.training.pipeline import record_id
-from blockspec.training.prompts import MBPP_TEST_IDS
+from blockspec.training.prompts import MBPP_TEST_IDS, record_id
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "datasets"

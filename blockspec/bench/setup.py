@@ -86,13 +86,12 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
 
 
 def _draft_vocabulary(target, size: int, data: list[str] | None):
-    from blockspec.training.vocabulary import vocabulary_from_files
+    from blockspec.training.vocabulary import target_vocabulary
 
     if not data:
         raise BlockspecError(f"a dflash/v{size} method counts its draft vocabulary in data: add --draft-vocab-data "
                              "FILE (a response cache or prompt files; never the benchmark's own prompts)")
-    return vocabulary_from_files(data, target.tokenizer, size, always=target.stop_token_ids(),
-                                 vocab_size=target.model.get_output_embeddings().weight.shape[0])
+    return target_vocabulary(target, data, size)
 
 
 def parse_drafts(values: list[str], target: str) -> dict[str, str]:

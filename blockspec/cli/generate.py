@@ -126,14 +126,9 @@ def draft_vocabulary(args, target):
     """The target ids of --draft-vocab-size / --draft-vocab-data (None when not given)."""
     if getattr(args, "draft_vocab_size", None) is None:
         return None
-    from blockspec.training.vocabulary import vocabulary_from_files
+    from blockspec.training.vocabulary import target_vocabulary
 
-    return vocabulary_from_files(args.draft_vocab_data, target.tokenizer, args.draft_vocab_size,
-                                 always=target.stop_token_ids(), vocab_size=vocab_rows(target))
-
-
-def vocab_rows(target) -> int:
-    return target.model.get_output_embeddings().weight.shape[0]
+    return target_vocabulary(target, args.draft_vocab_data, args.draft_vocab_size)
 
 
 def load_models(args):
@@ -157,8 +152,10 @@ def load_models(args):
     if compiled and method in DFLASH_METHODS:
         options["packed"] = True
     if (vocabulary := draft_vocabulary(args, target)) is not None:
+        from blockspec.training.vocabulary import head_rows
+
         options["draft_vocabulary"] = vocabulary
-        say(f"drafting over {len(vocabulary)} of the target's {vocab_rows(target)} tokens")
+        say(f"drafting over {len(vocabulary)} of the target's {head_rows(target)} tokens")
     drafter = None if method is None else build_drafter(method, target, draft, **options)
     if compiled:
         fast_forward(target.model, drafter.feature_layers if drafter is not None else None, progress=say)

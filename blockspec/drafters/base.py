@@ -107,8 +107,18 @@ class PositionwiseDrafter(TreeDrafter):
     def draft_logits(self, state: DraftState, last_token: int, num_tokens: int) -> torch.Tensor:
         """Logits [num_tokens, V] for the positions after ``last_token``."""
 
+    def row_logits(self, state: DraftState, last_token: int,
+                   num_tokens: int) -> tuple[torch.Tensor, torch.LongTensor | None]:
+        """Logits [num_tokens, K] over the rows the drafter scores and the target id of each row (None: the
+        rows are the target's vocabulary). A drafter with a reduced vocabulary gives its K rows."""
+        return self.draft_logits(state, last_token, num_tokens), None
+
     def draft_tree(self, state: DraftState, last_token: int, depth: int, budget: int,
                    top_k: int) -> tuple[Tree, list[float]]:
-        probs = torch.softmax(self.draft_logits(state, last_token, depth).float(), dim=-1)
+        logits, row_ids = self.row_logits(state, last_token, depth)
+        probs = torch.softmax(logits.float(), dim=-1)
         tree = build_tree(probs, budget, top_k)
-        return tree, [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
+        confidences = [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
+        if row_ids is not None:
+            tree.tokens = row_ids[torch.tensor(tree.tokens, dtype=torch.long)].tolist()
+        return tree, confidences

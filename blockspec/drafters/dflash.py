@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.drafters.base import PositionwiseDrafter, Proposal
-from blockspec.drafters.tree import build_tree
 from blockspec.errors import BlockspecError
 from blockspec.models.dflash import ContextCache, DFlashDraftModel, check_fits_target, load_dflash_model
 from blockspec.models.packed import module_twin, pack, packing_available
@@ -123,13 +122,8 @@ class DFlashDrafter(PositionwiseDrafter):
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.draft_to_target, logits)
 
-    def draft_tree(self, state: DFlashState, last_token: int, depth: int, budget: int, top_k: int):
-        probs = torch.softmax(self.head_logits(state, last_token, depth).float(), dim=-1)
-        tree = build_tree(probs, budget, top_k)
-        confidences = [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
-        if self.draft_to_target is not None:
-            tree.tokens = self.draft_to_target[torch.tensor(tree.tokens, dtype=torch.long)].tolist()
-        return tree, confidences
+    def row_logits(self, state: DFlashState, last_token: int, num_tokens: int):
+        return self.head_logits(state, last_token, num_tokens), self.draft_to_target
 
     def _target_ids(self, rows: torch.LongTensor) -> torch.LongTensor:
         return rows if self.draft_to_target is None else self.draft_to_target[rows]

@@ -446,6 +446,11 @@ def draft_vocab_size(config) -> int:
     return int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
 
 
+def has_reduced_vocabulary(raw: dict) -> bool:
+    """Whether a draft's config.json (as read) gives it a draft vocabulary smaller than the target's."""
+    return (raw.get("draft_vocab_size") or raw["vocab_size"]) < raw["vocab_size"]
+
+
 def target_width(config) -> int:
     """The width of each target layer's features (``target_hidden_size``, else the draft's own)."""
     return int(getattr(config, "target_hidden_size", None) or config.hidden_size)
@@ -480,8 +485,7 @@ def load_dflash_model(directory) -> DFlashDraftModel:
     _check_target_layers(raw, nested, directory)
     _refuse_unsupported(raw, nested, directory)
     require_weights(directory)
-    compressed = (raw.get("draft_vocab_size") or raw["vocab_size"]) < raw["vocab_size"]
-    _refuse_unusable_weights(directory, compressed=compressed)
+    _refuse_unusable_weights(directory, compressed=has_reduced_vocabulary(raw))
     model = load_pretrained_strict(DFlashDraftModel, directory, dtype=torch.float32,
                                    config=_draft_config(directory, raw, nested))
     if model.compressed:

@@ -34,15 +34,8 @@ class DraftVocabulary:
 
     def derive_t2d(self, where) -> None:
         """t2d from d2t (a checkpoint that stores d2t only), refusing ids outside the target's vocabulary."""
-        ids = self.draft_to_target
-        size = self.t2d.numel()
-        if int(ids.min()) < 0 or int(ids.max()) >= size:
-            raise CheckpointError(f"{where}: d2t maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
-                                  f"outside the target's vocabulary 0..{size - 1}: the draft was made for another "
-                                  "vocabulary")
-        with torch.no_grad():
-            self.t2d.zero_()
-            self.t2d[ids] = True
+        self._check_d2t_range(where)
+        self._mark_target_ids(self.draft_to_target)
 
     @property
     def draft_to_target(self) -> torch.LongTensor:
@@ -61,21 +54,28 @@ class DraftVocabulary:
             raise ValueError(f"the draft vocabulary holds {self.d2t.numel()} ids, got {ids.numel()}")
         with torch.no_grad():
             self.d2t.copy_(ids - torch.arange(ids.numel()))
-            self.t2d.zero_()
-            self.t2d[ids] = True
+        self._mark_target_ids(ids)
 
     def check_draft_vocabulary(self, where) -> None:
+        self._check_d2t_range(where)
         ids = self.draft_to_target
-        size = self.t2d.numel()
         ordered = bool((ids[1:] > ids[:-1]).all()) if ids.numel() > 1 else True
-        if int(ids.min()) < 0 or int(ids.max()) >= size:
-            raise CheckpointError(f"{where}: d2t maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
-                                  f"outside the target's vocabulary 0..{size - 1}: the draft was made for another "
-                                  "vocabulary")
         if not ordered or not bool(self.t2d[ids].all()) or int(self.t2d.sum()) != ids.numel():
             raise CheckpointError(
                 f"{where}: d2t and t2d do not describe the same draft vocabulary (d2t must map draft ids "
                 "to increasing target ids, and t2d must mark exactly those ids)")
+
+    def _check_d2t_range(self, where) -> None:
+        ids, size = self.draft_to_target, self.t2d.numel()
+        if int(ids.min()) < 0 or int(ids.max()) >= size:
+            raise CheckpointError(f"{where}: d2t maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "
+                                  f"outside the target's vocabulary 0..{size - 1}: the draft was made for another "
+                                  "vocabulary")
+
+    def _mark_target_ids(self, ids: torch.LongTensor) -> None:
+        with torch.no_grad():
+            self.t2d.zero_()
+            self.t2d[ids] = True
 
 
 def target_to_draft(t2d: torch.BoolTensor) -> torch.LongTensor:

@@ -137,9 +137,9 @@ class DFlashTraining:
         # past the sequence's end carry weight 0, and the vocabulary-wide head is the costliest step.
         supervised = blocks.weights > 0
         labels, weights = blocks.labels[supervised].to(device), blocks.weights[supervised].to(device)
-        head = target.model.get_output_embeddings()
         if model.compressed:
             return self._compressed_loss(model, hidden[supervised.to(device)], labels, weights)
+        head = target.model.get_output_embeddings()
         if config.soft_labels:
             teacher = teacher_states(model, target, batch.features, blocks.block_positions, supervised)
             losses, hits = linear_soft_cross_entropy(hidden[supervised.to(device)], head.weight, teacher.to(device),

@@ -11,7 +11,7 @@ from blockspec.errors import BlockspecError
 from blockspec.io import make_output_dir
 from blockspec.tokens import encode_prompt
 from blockspec.training.distributed import barrier, init_distributed_from_env, rank_and_world_size
-from blockspec.training.prompts import PROMPT_STYLES, load_prompts
+from blockspec.training.prompts import load_prompts, record_id
 from blockspec.training.response_cache import read_cache
 from blockspec.training.responses import generate_responses, responses_from_data
 from blockspec.training.samples import load_samples
@@ -85,12 +85,6 @@ def prepare_samples(target, data: DataConfig, out: Path, max_length: int, rank: 
     eval_prompts = [encode_prompt(target.tokenizer, r.messages, use_chat_template=data.use_chat_template)
                     for r in held_out]
     return samples, eval_prompts
-
-
-def record_id(row_id: str) -> str:
-    """The data record a cache row answers: a restyled prompt (``ID@style``, ``restyle_prompts``) is its record's."""
-    base, at, style = row_id.rpartition("@")
-    return base if at and style in PROMPT_STYLES else row_id
 
 
 def cache_paths(data: DataConfig, out: Path) -> list[Path]:

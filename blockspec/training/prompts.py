@@ -185,6 +185,12 @@ def restyle_prompts(records: Sequence[PromptRecord], styles: Sequence[str], *, s
     return restyled
 
 
+def record_id(row_id: str) -> str:
+    """The record a row id names: a restyled prompt's (``ID@style``, from ``restyle_prompts``) is ID."""
+    base, at, style = row_id.rpartition("@")
+    return base if at and style in PROMPT_STYLES else row_id
+
+
 def _id_prefixes(paths: list[Path]) -> list[str]:
     """The record id prefix of each file: its stem, made unique with the file's index."""
     prefixes: list[str] = []

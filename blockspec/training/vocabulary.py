@@ -49,6 +49,17 @@ def vocabulary_from_files(paths, tokenizer, size: int, *, always=(), vocab_size:
     return most_frequent(counts, size, always, fallback=prompts, vocab_size=vocab_size)
 
 
+def target_vocabulary(target, paths, size: int) -> torch.LongTensor:
+    """``vocabulary_from_files`` for a ``Target``: its tokenizer, its stop ids always in, its LM head's rows."""
+    return vocabulary_from_files(paths, target.tokenizer, size, always=target.stop_token_ids(),
+                                 vocab_size=head_rows(target))
+
+
+def head_rows(target) -> int:
+    """The rows of the target's LM head (its vocabulary as the drafters score it)."""
+    return target.model.get_output_embeddings().weight.shape[0]
+
+
 def _is_response_cache(path: Path) -> bool:
     """A blockspec response cache: jsonl rows with prompt_ids and response_ids."""
     if not path.name.endswith(".jsonl"):
