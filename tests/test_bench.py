@@ -194,6 +194,17 @@ def test_method_and_draft_options():
         parse_drafts(["eagle=/e"], "some/target")
 
 
+def test_the_default_target_benchmarks_every_shipped_drafter():
+    from blockspec.drafters.registry import shipped_drafts
+
+    shipped = {method: str(directory) for method, directory in shipped_drafts("smollm2-135m-instruct").items()}
+    assert parse_drafts([], "smollm2-135m-instruct") == shipped
+    assert parse_drafts(["dflash=/mine"], "smollm2-135m-instruct") == {**shipped, "dflash": "/mine"}
+    names = parse_methods(None, shipped, None)
+    assert set(shipped) <= set(names)
+    assert ("hf-assisted" in names) == ("draft" in shipped)
+
+
 def test_unknown_method_is_refused(target):
     with pytest.raises(BlockspecError, match="unknown benchmark method 'nope'"):
         build_methods(["ar", "nope"], target)

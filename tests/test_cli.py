@@ -75,6 +75,19 @@ def test_the_default_target_drafts_with_the_shipped_drafter():
     assert drafter_choice(build_parser().parse_args(["generate", "--method", "ar", "hello"])) == (None, None, {})
 
 
+def test_every_method_with_a_shipped_drafter_needs_no_draft_on_the_default_target():
+    from blockspec.cli import build_parser
+    from blockspec.cli.generate import drafter_choice
+    from blockspec.drafters.registry import shipped_drafts
+
+    shipped = shipped_drafts("smollm2-135m-instruct")
+    for method, directory in shipped.items():
+        chosen = drafter_choice(build_parser().parse_args(["generate", "--method", method, "hello"]))
+        assert chosen[:2] == (method, str(directory))
+    hybrid = drafter_choice(build_parser().parse_args(["generate", "--method", "dflash+suffix", "hello"]))
+    assert hybrid[:2] == ("dflash+suffix", str(shipped["dflash"]))
+
+
 def test_generate_defaults_to_the_adaptive_width_for_a_dflash_chain():
     from blockspec.decoding.sequence import PREFERRED_TREE_BUDGET, GenerationConfig, preferred_decoding
     from blockspec.drafters.dflash import DFlashDrafter

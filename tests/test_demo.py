@@ -9,7 +9,7 @@ from rich.console import Console
 from blockspec import demo
 from blockspec.bench.datasets import load_bundled
 from blockspec.cli.demo import add_demo_command, run_demo_command
-from blockspec.drafters.registry import SHIPPED_DRAFTS, load_drafter, shipped_draft
+from blockspec.drafters.registry import SHIPPED_DRAFTS, detect_method, load_drafter, shipped_draft, shipped_drafts
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
 from blockspec.models.target import load_target
@@ -121,8 +121,25 @@ def test_a_missing_shipped_drafter_is_a_clear_error(tmp_path, tiny_target_dir):
 def test_the_shipped_drafter_is_found_inside_the_package(tmp_path):
     assert shipped_draft(DEFAULT_TARGET).joinpath("config.json").is_file()
     assert shipped_draft("some/other-model") is None
-    (tmp_path / SHIPPED_DRAFTS[DEFAULT_TARGET]).mkdir()
+    asset = SHIPPED_DRAFTS[DEFAULT_TARGET]["dflash"]
+    (tmp_path / asset).mkdir()
     with pytest.raises(BlockspecError, match="incomplete"):
         shipped_draft(DEFAULT_TARGET, assets=tmp_path)
-    (tmp_path / SHIPPED_DRAFTS[DEFAULT_TARGET] / "config.json").write_text("{}")
-    assert shipped_draft(DEFAULT_TARGET, assets=tmp_path) == tmp_path / SHIPPED_DRAFTS[DEFAULT_TARGET]
+    (tmp_path / asset / "config.json").write_text("{}")
+    assert shipped_draft(DEFAULT_TARGET, assets=tmp_path) == tmp_path / asset
+
+
+def test_every_shipped_drafter_is_found_by_its_method(tmp_path):
+    shipped = shipped_drafts(DEFAULT_TARGET)
+    assert set(shipped) == set(SHIPPED_DRAFTS[DEFAULT_TARGET]) and "dflash" in shipped
+    for method, directory in shipped.items():
+        assert directory == shipped_draft(DEFAULT_TARGET, method)
+        assert detect_method(directory) == method
+    # a hybrid reads DFlash's drafter; a method nothing is shipped for gets none
+    assert shipped_draft(DEFAULT_TARGET, "dflash+suffix") == shipped["dflash"]
+    assert shipped_draft(DEFAULT_TARGET, "ngram") is None
+    assert shipped_drafts("some/other-model") == {}
+    for method in shipped:
+        label = {"dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP", "draft": "draft-model"}[method]
+        with pytest.raises(BlockspecError, match=f"the shipped {label} drafter is missing"):
+            shipped_draft(DEFAULT_TARGET, method, assets=tmp_path / "empty")

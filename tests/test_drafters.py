@@ -315,3 +315,80 @@ def test_the_default_target_with_draft_methods():
     args = build_parser().parse_args(["generate", "--method", "draft", "--draft", "qwen2.5-coder-0.5b-instruct", "hi"])
     assert drafter_choice(args) == ("draft", "qwen2.5-coder-0.5b-instruct", {"sample_drafts": True})
     assert detect_method("qwen2.5-coder-0.5b-instruct") == "draft"
+
+
+# --- a draft LM shipped without the embeddings it shares with the target --------------------
+
+def _save_target(directory, *, tied: bool, hidden_size: int = 64):
+    tokenizer = make_tokenizer()
+    model = make_causal_lm("llama", vocab_size=len(tokenizer), tie_word_embeddings=tied, hidden_size=hidden_size)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return load_target(str(directory), device="cpu")
+
+
+def _save_draft(target, directory, *, drop=("model.embed_tokens.weight", "lm_head.weight"), seed=0):
+    """A 2-layer draft LM of the target's layers, its weights perturbed, saved without ``drop``."""
+    import safetensors.torch as st
+
+    from blockspec.training.methods import shrink_target
+
+    draft = perturbed_copy(shrink_target(target.model, 2), scale=0.01, seed=seed)
+    draft.save_pretrained(directory)
+    weights = st.load_file(directory / "model.safetensors")
+    st.save_file({k: v for k, v in weights.items() if k not in drop}, directory / "model.safetensors",
+                 metadata={"format": "pt"})
+    return draft
+
+
+def test_a_draft_lm_shipped_without_embeddings_drafts_with_the_targets(tmp_path):
+    import subprocess
+    import sys
+
+    from blockspec.drafters.draft_lm import shares_target_embeddings
+    from blockspec.drafters.registry import load_drafter
+
+    target = _save_target(tmp_path / "target", tied=True)
+    trained = tmp_path / "trained"
+    draft = _save_draft(target, trained, drop=())
+    shipped = tmp_path / "shipped"
+    subprocess.run([sys.executable, "scripts/ship_drafter.py", "--without-embeddings", str(trained), str(shipped)],
+                   check=True, capture_output=True)
+    assert shares_target_embeddings(shipped) and not shares_target_embeddings(trained)
+    assert not (shipped / "tokenizer.json").exists()  # the target's tokenizer is used
+    drafter = load_drafter(shipped, target)
+    assert isinstance(drafter, DraftModelDrafter)
+    torch.testing.assert_close(drafter.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
+    assert drafter.model.get_output_embeddings().weight is drafter.model.get_input_embeddings().weight
+    layer = "model.layers.1.mlp.down_proj.weight"
+    torch.testing.assert_close(drafter.model.state_dict()[layer], draft.state_dict()[layer].bfloat16().float())
+    for seed in range(4):
+        ids = torch.randint(4, 320, (1, 6), generator=torch.Generator().manual_seed(seed))
+        stream = run(target.model, ids[0].tolist(), drafter)
+        assert stream.token_ids == hf_greedy(target.model, ids, MAX_NEW)
+        assert sum(stream.stats.accepted) > 0
+
+
+def test_a_draft_lm_without_embeddings_keeps_its_own_untied_head(tmp_path):
+    from blockspec.drafters.draft_lm import load_draft_model
+
+    target = _save_target(tmp_path / "target", tied=False)
+    draft = _save_draft(target, tmp_path / "draft", drop=("model.embed_tokens.weight",))
+    loaded = load_draft_model(tmp_path / "draft", target)
+    torch.testing.assert_close(loaded.get_output_embeddings().weight, draft.get_output_embeddings().weight)
+    torch.testing.assert_close(loaded.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
+
+
+def test_a_draft_lm_without_embeddings_for_another_target_is_a_clear_error(tmp_path):
+    from blockspec.drafters.draft_lm import load_draft_model
+
+    target = _save_target(tmp_path / "target", tied=True)
+    _save_draft(target, tmp_path / "draft")
+    other = _save_target(tmp_path / "other", tied=True, hidden_size=32)
+    with pytest.raises(IncompatibleDraftError, match=r"saved without embeddings, to use the target's, but its "
+                                                     r"\(320, 64\) embedding shape is not the target's \(320, 32\)"):
+        load_draft_model(tmp_path / "draft", other)
+    _save_draft(target, tmp_path / "torn", drop=("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(BlockspecError, match=r"lacks weights besides its embeddings "
+                                             r"\(model.layers.0.mlp.up_proj.weight\): re-save it whole"):
+        load_draft_model(tmp_path / "torn", target)

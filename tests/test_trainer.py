@@ -542,6 +542,28 @@ def test_a_feature_cache_of_other_target_layers_is_refused(learned_target, train
         Trainer(small_config(tmp_path / "b", target_layer_ids=[1], feature_cache_dir=store_dir), target, samples)
 
 
+def test_a_feature_cache_of_more_layers_serves_a_run_reading_some_of_them(learned_target, training_data, tmp_path):
+    target, _, _ = learned_target
+    samples, _ = training_data
+    store_dir = str(tmp_path / "features")
+    wide = Trainer(small_config(tmp_path / "wide", max_steps=6, save_every=0, target_layer_ids=[0, 1],
+                                feature_cache_dir=store_dir), target, samples)
+    wide.run()
+    expected = Trainer(small_config(tmp_path / "memory", max_steps=6, save_every=0, target_layer_ids=[1]),
+                       target, samples).run().losses
+    narrow = Trainer(small_config(tmp_path / "narrow", max_steps=6, save_every=0, target_layer_ids=[1],
+                                  feature_cache_dir=store_dir), target, samples)
+    assert narrow.features.store.layer_ids == [0, 1]
+    assert narrow.run().losses == pytest.approx(expected, rel=1e-5)
+    # a sequence the store lacks is computed for every stored layer, so wider runs find it whole
+    ids, _, lengths = pad_batch([samples[0]])
+    narrow.features.store.path(samples[0].input_ids).unlink(missing_ok=True)
+    one = narrow.features([0], ids, lengths)
+    assert one.shape[-1] == target.model.config.hidden_size
+    assert wide.features.store.load(samples[0].input_ids).shape[-1] == 2 * target.model.config.hidden_size
+    torch.testing.assert_close(wide.features([0], ids, lengths)[..., one.shape[-1]:], one)
+
+
 def test_an_unreadable_feature_file_is_recomputed(learned_target, training_data, tmp_path):
 
     target, _, _ = learned_target

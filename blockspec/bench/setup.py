@@ -14,7 +14,7 @@ from blockspec.drafters.registry import (
     DRAFTED_METHODS,
     METHODS,
     build_drafter,
-    shipped_draft,
+    shipped_drafts,
 )
 from blockspec.errors import BlockspecError
 
@@ -46,6 +46,7 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
     from transformers.utils import logging as hf_logging
 
     from blockspec.decoding.fast import compile_choice
+    from blockspec.drafters.draft_lm import load_draft_model
     from blockspec.models.target import load_target
 
     hf_logging.disable_progress_bar()
@@ -80,8 +81,7 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
     if "hf-assisted" in names:  # the draft method's LM when it is the same one, loaded once
         wanted = assistant or drafts["draft"]
         same = "draft" in drafters and (drafts.get("draft") or assistant) == wanted
-        loaded = drafters["draft"].model if same else \
-            load_target(wanted, device=str(target.device), dtype=target.model.dtype).model
+        loaded = drafters["draft"].model if same else load_draft_model(wanted, target)
     return target, build_methods(names, target, drafters=drafters, assistant=loaded, block_size=block_size)
 
 
@@ -104,8 +104,8 @@ def parse_drafts(values: list[str], target: str) -> dict[str, str]:
         if method not in DRAFTED_METHODS:
             raise BlockspecError(f"--draft {value!r}: METHOD must be one of {', '.join(DRAFTED_METHODS)}")
         drafts[method] = directory
-    if "dflash" not in drafts and shipped_draft(target) is not None:
-        drafts["dflash"] = str(shipped_draft(target))
+    for method, shipped in shipped_drafts(target).items():
+        drafts.setdefault(method, str(shipped))
     return drafts
 
 

@@ -44,14 +44,13 @@ def add_models_group(models) -> None:
                              "dflash@t32; dflash also as dflash[@WIDTH]/dK, drafting in K denoising passes, "
                              "e.g. dflash/d2,dflash@8/d4, and as dflash[@WIDTH]/vK, drafting over the K tokens most "
                              "frequent in --draft-vocab-data (default: ar,hf,hf-compiled,hf-prompt-lookup,ngram, "
-                             "plus dflash "
-                             "when a DFlash drafter is known, plus the methods of every --draft, plus "
-                             "draft,hf-assisted with --assistant)")
+                             "plus the methods of every --draft and of the drafters shipped for the target, plus "
+                             "draft,hf-assisted with --assistant or a draft model)")
     models.add_argument("--draft", action="append", default=[], metavar="[METHOD=]DIR",
                         help="a drafter checkpoint: DIR for dflash, or METHOD=DIR for "
                              f"{', '.join(drafted_with_method)} "
-                             "(repeatable; "
-                             "default for the default target: the shipped DFlash drafter)")
+                             "(repeatable; default for the default target: the shipped DFlash, EAGLE-3, MTP and "
+                             "draft-model drafters)")
     models.add_argument("--assistant", default=None,
                         help="a smaller causal LM with the target's tokenizer (directory or known name), "
                              "the draft model of both 'draft' and 'hf-assisted'")

@@ -85,7 +85,8 @@ def drafter_choice(args) -> tuple[str | None, str | None, dict]:
     method, draft = args.method, args.draft
     if method == "ngram" and draft is not None:
         raise BlockspecError("--method ngram drafts from the prompt and takes no --draft: drop --draft")
-    if draft is None and method in (None, *DFLASH_METHODS) and (shipped := shipped_draft(args.target)) is not None:
+    if draft is None and method in (None, *DRAFTED_METHODS) and \
+            (shipped := shipped_draft(args.target, method or "dflash")) is not None:
         draft = str(shipped)
     if method in DRAFTED_METHODS and draft is None:
         what = "MODEL (a causal LM directory or a known name)" if method == "draft" else "DIR"

@@ -21,8 +21,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None,
                         help="the drafter: a DFlash, EAGLE-3 or MTP checkpoint directory, or for --method draft "
                              "a small causal LM (directory or known name) with the target's tokenizer (default: the "
-                             "shipped DFlash drafter for the default target, none for other targets: autoregressive "
-                             "decoding)")
+                             "drafter of --method (DFlash without one) shipped for the default target, none for "
+                             "other targets: autoregressive decoding)")
     parser.add_argument("--method", default=None, choices=[*DRAFT_METHODS, AUTOREGRESSIVE],
                         help="drafting method: dflash, eagle3, mtp, draft (a small draft LM), ngram (prompt lookup, "
                              "no --draft) "

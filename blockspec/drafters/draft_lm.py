@@ -9,7 +9,9 @@ the target, and that distribution goes to the verifier, so rejection sampling is
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -134,9 +136,23 @@ def check_compatible(draft_tokenizer, target_tokenizer, *, draft_name: str = "th
 def build(name_or_path, target, *, block_size: int = DEFAULT_BLOCK_SIZE,
           sample_drafts: bool = True) -> DraftModelDrafter:
     """A draft LM (a directory or a known model name) on the target's device and dtype."""
+    return DraftModelDrafter(load_draft_model(name_or_path, target), target.model, block_size=block_size,
+                             sample_drafts=sample_drafts)
+
+
+def load_draft_model(name_or_path, target):
+    """The draft LM, checked against the target's tokenizer, on the target's device and dtype.
+
+    A draft saved without its embeddings (they were frozen copies of the target's, as the draft LMs
+    this trainer makes keep them) gets the target's: it then reads the target's vocabulary, so its
+    tokenizer may be absent too.
+    """
     from blockspec.models.target import load_target
 
-    draft = load_target(str(name_or_path), device=target.device, dtype=target.model.dtype, role="draft")
+    if shares_target_embeddings(name_or_path):
+        draft = _load_without_embeddings(Path(name_or_path), target)
+    else:
+        draft = load_target(str(name_or_path), device=target.device, dtype=target.model.dtype, role="draft")
     check_compatible(draft.tokenizer, target.tokenizer, draft_name=f"the draft model {name_or_path}")
     rows = draft.model.get_input_embeddings().weight.shape[0]
     if rows < len(target.tokenizer):
@@ -144,4 +160,66 @@ def build(name_or_path, target, *, block_size: int = DEFAULT_BLOCK_SIZE,
             f"the draft model {name_or_path} embeds {rows} tokens but the target's tokenizer has "
             f"{len(target.tokenizer)}: use a draft model with the target's full vocabulary"
         )
-    return DraftModelDrafter(draft.model, target.model, block_size=block_size, sample_drafts=sample_drafts)
+    return draft.model
+
+
+def shares_target_embeddings(name_or_path) -> bool:
+    """Whether ``name_or_path`` is a draft LM directory whose weights lack the input embeddings."""
+    path = Path(str(name_or_path))
+    names = _weight_names(path) if path.is_dir() else None
+    return names is not None and not any(name.endswith("embed_tokens.weight") or name.endswith("wte.weight")
+                                         for name in names)
+
+
+def _weight_names(directory: Path) -> set[str] | None:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map", {}))
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as weights:
+        return set(weights.keys())
+
+
+def _load_without_embeddings(directory: Path, target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from blockspec.models.target import Target
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the embeddings it reports missing are filled below
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=target.model.dtype,
+                                                           output_loading_info=True)
+    except (OSError, ValueError) as error:
+        raise BlockspecError(f"could not load the draft model from {directory}: {error}") from error
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names
+    absent, filled = set(info["missing_keys"]), set()
+    for own, theirs in ((model.get_input_embeddings(), target.model.get_input_embeddings()),
+                        (model.get_output_embeddings(), target.model.get_output_embeddings())):
+        names = {name for name, parameter in parameters.items() if parameter is own.weight}
+        if not names & absent:
+            continue  # saved (an untied head of the draft's own)
+        if own.weight.shape != theirs.weight.shape:
+            raise IncompatibleDraftError(
+                f"the draft model {directory} was saved without embeddings, to use the target's, but its "
+                f"{tuple(own.weight.shape)} embedding shape is not the target's {tuple(theirs.weight.shape)}: "
+                "use it with the target it was trained for")
+        with torch.no_grad():
+            own.weight.copy_(theirs.weight)  # into the draft's own tensor, so a tied head stays tied
+        filled |= names
+    missing = [key for key in absent - filled if "rotary" not in key]
+    if missing:
+        raise BlockspecError(f"the draft model {directory} lacks weights besides its embeddings "
+                             f"({', '.join(sorted(missing)[:3])}): re-save it whole")
+    has_tokenizer = any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(directory) if has_tokenizer else target.tokenizer
+    model.to(target.device).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=str(directory))

@@ -66,9 +66,12 @@ DRAFTED_METHODS = tuple(name for name, m in METHODS.items() if m.draft is not No
 #: Methods that read a DFlash checkpoint (DFlash itself and the hybrids over it).
 DFLASH_METHODS = tuple(name for name, m in METHODS.items() if "dflash" in (name, m.draft_of))
 
-#: The drafters shipped in the package (under ``blockspec/assets/``), by the known target they serve.
-SHIPPED_DRAFTS = {"smollm2-135m-instruct": "dflash-smollm2-135m"}
-
+#: The drafters shipped in the package (folders under ``blockspec/assets/``): by the known target
+#: they serve, then by method.
+SHIPPED_DRAFTS = {
+    "smollm2-135m-instruct": {"dflash": "dflash-smollm2-135m"},
+}
+_LABELS = {"dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP", "draft": "draft-model"}
 
 def detect_method(draft) -> str:
     """The method a draft checkpoint directory (or known draft model name) is for."""
@@ -112,31 +115,39 @@ def load_drafter(directory, target, method: str | None = None, **options):
     return build_drafter(method or detect_method(directory), target, directory, **options)
 
 
-def shipped_draft(target_name: str, *, assets=None) -> Path | None:
-    """The DFlash drafter shipped with the package for a known target (None for other targets).
+def shipped_draft(target_name: str, method: str = "dflash", *, assets=None) -> Path | None:
+    """The drafter of ``method`` shipped with the package for a known target (None if none is).
 
+    A hybrid method gets the drafter of the method it reads (dflash+suffix: DFlash's).
     ``assets``: the folder holding the shipped drafters (default: the package's ``assets``).
     """
-    asset = SHIPPED_DRAFTS.get(str(target_name))
+    spec = METHODS.get(method)
+    kind = spec.draft_of or method if spec is not None else method
+    asset = SHIPPED_DRAFTS.get(str(target_name), {}).get(kind)
     if asset is None:
         return None
     directory = Path(assets) / asset if assets is not None else resources.files("blockspec") / "assets" / asset
+    what, instead = f"the shipped {_LABELS.get(kind, kind)} drafter", f"--draft DIR ({METHODS[kind].described})"
     if not directory.is_dir():
         raise BlockspecError(
-            f"the shipped DFlash drafter is missing: expected the directory {directory} inside the "
-            "installed package; reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
+            f"{what} is missing: expected the directory {directory} inside the "
+            f"installed package; reinstall blockspec, or pass {instead}"
         )
     if not directory.joinpath("config.json").is_file():
         raise BlockspecError(
-            f"the shipped DFlash drafter at {directory} is incomplete (no config.json); "
-            "reinstall blockspec, or pass --draft DIR with a DFlash checkpoint"
+            f"{what} at {directory} is incomplete (no config.json); reinstall blockspec, or pass {instead}"
         )
     path = Path(str(directory))
     if not path.is_dir():  # a package imported from a zip archive
-        raise BlockspecError("the shipped DFlash drafter cannot be read from a zipped package: install blockspec "
+        raise BlockspecError(f"{what} cannot be read from a zipped package: install blockspec "
                              "as ordinary files, or pass --draft DIR")
     return path
 
+
+def shipped_drafts(target_name: str, *, assets=None) -> dict[str, Path]:
+    """Every drafter shipped for a known target, by method ({} for other targets)."""
+    return {method: shipped_draft(target_name, method, assets=assets)
+            for method in SHIPPED_DRAFTS.get(str(target_name), {})}
 
 def _call(factory, method: str, *args, **options):
     """``factory(*args, **options)``, refusing options it does not take with a clear message."""

@@ -41,12 +41,15 @@ class FeatureSource:
         found = [self._kept_features(index, ids) for index, ids in zip(indices, tokens)]
         missing = [row for row, features in enumerate(found) if features is None]
         if missing:
+            computed = self.store.layer_ids if self.store is not None else self.layer_ids
             out = self.model.base_model(input_ids=input_ids[missing].to(self.model.device), output_hidden_states=True)
-            features = layer_features(out.hidden_states, self.layer_ids).float().cpu()
+            features = layer_features(out.hidden_states, computed).float().cpu()
             for position, row in enumerate(missing):
                 # a copy, not a view pinning the whole batch
                 found[row] = features[position, : int(lengths[row])].to(self.keep_dtype).clone()
                 self._keep(indices[row], tokens[row], found[row])
+                if self.store is not None:
+                    found[row] = self.store.select(found[row])
         width = input_ids.shape[1]
         return torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - f.shape[0])) for f in found]).float()
 
