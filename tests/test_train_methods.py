@@ -149,3 +149,27 @@ def test_cli_trains_and_generates_with_each_method(learned_target, tmp_path, cap
                      "--max-new-tokens", "8", "The quick"]) == 0
         result = json.loads(capsys.readouterr().out)
         assert result["method"] == method and 1 <= len(result["token_ids"]) <= 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_draft_lm_loss_scores_only_supervised_positions_exactly(arch, tmp_path):
+    """The loss through the head on the supervised rows equals the cross entropy of the whole logits."""
+    import torch.nn.functional as F
+
+    from blockspec.training.methods import Batch, DraftModelTraining, shrink_target
+    from blockspec.training.samples import TrainingSample, pad_batch
+    from helpers import make_causal_lm, make_tokenizer
+
+    model = make_causal_lm(arch, vocab_size=320).double()
+    target = Target(model=model, tokenizer=make_tokenizer(), name="tiny")
+    draft = shrink_target(model, 2).double()
+    generator = torch.Generator().manual_seed(0)
+    samples = [TrainingSample(torch.randint(4, 320, (n,), generator=generator),
+                              torch.arange(n) >= prompt) for n, prompt in ((20, 5), (13, 9), (31, 2))]
+    ids, mask, lengths = pad_batch(samples)
+    batch = Batch([0, 1, 2], ids, mask, lengths, None)
+    loss, _ = DraftModelTraining().loss(draft, draft, batch, target, small_config(tmp_path, method="draft"), None)
+    attention = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    logits = draft(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    expected = F.cross_entropy(logits[mask[:, 1:]].float(), ids[:, 1:][mask[:, 1:]])
+    torch.testing.assert_close(loss, expected)

@@ -330,11 +330,20 @@ class DraftModelTraining:
         ids = batch.input_ids.to(device)
         width = ids.shape[1]
         attention = torch.arange(width, device=device)[None, :] < batch.lengths.to(device)[:, None]
-        logits = forward(input_ids=ids, attention_mask=attention.long()).logits
         supervised = batch.loss_mask.to(device)[:, 1:]  # position i predicts token i + 1
+        wanted = ids[:, 1:][supervised]
+        if getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None):
+            logits = forward(input_ids=ids, attention_mask=attention.long()).logits
+            chosen = logits[:, :-1][supervised].float()
+        else:
+            # The frozen head scores only the supervised positions: the prompt and padding rows of a
+            # whole-vocabulary head were most of a step's cost.
+            out = forward(input_ids=ids, attention_mask=attention.long(), output_hidden_states=True,
+                          logits_to_keep=1)
+            final = out.hidden_states[-1][:, :-1]  # after the final norm: what the head reads
+            chosen = model.get_output_embeddings()(final[supervised]).float()
         if not bool(supervised.any()):
-            return 0.0 * logits.sum(), float("nan")
-        chosen, wanted = logits[:, :-1][supervised].float(), ids[:, 1:][supervised]
+            return 0.0 * chosen.sum(), float("nan")
         return F.cross_entropy(chosen, wanted), (chosen.detach().argmax(-1) == wanted).float().mean().item()
 
     def drafter(self, model, target):
