@@ -143,3 +143,21 @@ def test_every_shipped_drafter_is_found_by_its_method(tmp_path):
         label = {"dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP", "draft": "draft-model"}[method]
         with pytest.raises(BlockspecError, match=f"the shipped {label} drafter is missing"):
             shipped_draft(DEFAULT_TARGET, method, assets=tmp_path / "empty")
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", sorted(SHIPPED_DRAFTS[DEFAULT_TARGET]))
+def test_every_shipped_drafter_is_lossless_and_useful_on_the_default_target(method):
+    from blockspec.decoding.generate import GenerationConfig, speculative_generate
+
+    target = load_target(DEFAULT_TARGET, device="cpu")
+    drafter = load_drafter(shipped_draft(DEFAULT_TARGET, method), target)
+    config = GenerationConfig(max_new_tokens=32)
+    accepted = steps = 0
+    for row in load_bundled("gsm8k", limit=2):
+        ids = target.encode_prompt(row["turns"][0])
+        plain = speculative_generate(target.model, ids, None, config)
+        drafted = speculative_generate(target.model, ids, drafter, config)
+        list(plain), list(drafted)
+        assert drafted.token_ids == plain.token_ids
+        accepted, steps = accepted + sum(drafted.stats.accepted), steps + len(drafted.stats.accepted)
+    assert 1 + accepted / steps > 1.3  # a trained drafter, not noise: its drafts pay
