@@ -70,7 +70,7 @@ DFLASH_METHODS = tuple(name for name, m in METHODS.items() if "dflash" in (name,
 #: they serve, then by method.
 SHIPPED_DRAFTS = {
     "smollm2-135m-instruct": {"dflash": "dflash-smollm2-135m", "eagle3": "eagle3-smollm2-135m",
-                              "mtp": "mtp-smollm2-135m"},
+                              "mtp": "mtp-smollm2-135m", "draft": "draft-smollm2-135m"},
 }
 _LABELS = {"dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP", "draft": "draft-model"}
 
