@@ -32,15 +32,14 @@ def main() -> None:
                         help="drop a draft LM's embeddings and tied head (the target's, filled in at load)")
     args = parser.parse_args()
     weights = st.load_file(args.source / "model.safetensors")
+    config = json.loads((args.source / "config.json").read_text())
     if args.without_embeddings:
-        config = json.loads((args.source / "config.json").read_text())
         if not config.get("tie_word_embeddings", False) and "lm_head.weight" in weights:
             raise SystemExit("the draft's LM head is not tied to its embeddings: it may be trained, keep it "
                              "(drop only the embeddings by hand)")
         weights = {name: tensor for name, tensor in weights.items() if not name.endswith(EMBEDDINGS)}
     rounded = {name: tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
                for name, tensor in weights.items()}
-    config = json.loads((args.source / "config.json").read_text())
     config["dtype"] = "bfloat16"
 
     def write(directory):

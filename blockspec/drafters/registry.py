@@ -34,6 +34,8 @@ class DraftMethod:
     described: str
     #: The method whose checkpoint it reads (a hybrid reads DFlash's), None for its own.
     draft_of: str | None = None
+    #: Its name in sentences: "DFlash" ("" for the method's own name).
+    label: str = ""
 
     def build(self, draft, target, **options):
         module, function = self.builder.split(":")
@@ -43,13 +45,13 @@ class DraftMethod:
 
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("dflash", "checkpoint", ("DFlashDraftModel",), "blockspec.drafters.dflash:build",
-                "a DFlash checkpoint directory"),
+                "a DFlash checkpoint directory", label="DFlash"),
     DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3",), "blockspec.drafters.eagle3_mtp:build_eagle3",
-                "an EAGLE-3 checkpoint directory"),
+                "an EAGLE-3 checkpoint directory", label="EAGLE-3"),
     DraftMethod("mtp", "checkpoint", ("MTPDraftModel",), "blockspec.drafters.eagle3_mtp:build_mtp",
-                "an MTP checkpoint directory"),
+                "an MTP checkpoint directory", label="MTP"),
     DraftMethod("draft", "model", (), "blockspec.drafters.draft_lm:build",
-                "a causal LM directory or a known model name such as qwen2.5-coder-0.5b-instruct"),
+                "a causal LM directory or a known model name such as qwen2.5-coder-0.5b-instruct", label="draft-model"),
     DraftMethod("ngram", None, (), "blockspec.drafters.ngram:build", "nothing (prompt lookup)"),
     DraftMethod("suffix", None, (), "blockspec.drafters.suffix:build", "nothing (suffix drafting)"),
     DraftMethod("dflash+suffix", "checkpoint", (), "blockspec.drafters.suffix:build_hybrid",
@@ -72,7 +74,7 @@ SHIPPED_DRAFTS = {
     "smollm2-135m-instruct": {"dflash": "dflash-smollm2-135m", "eagle3": "eagle3-smollm2-135m",
                               "mtp": "mtp-smollm2-135m", "draft": "draft-smollm2-135m"},
 }
-_LABELS = {"dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP", "draft": "draft-model"}
+
 
 def detect_method(draft) -> str:
     """The method a draft checkpoint directory (or known draft model name) is for."""
@@ -123,12 +125,13 @@ def shipped_draft(target_name: str, method: str = "dflash", *, assets=None) -> P
     ``assets``: the folder holding the shipped drafters (default: the package's ``assets``).
     """
     spec = METHODS.get(method)
-    kind = spec.draft_of or method if spec is not None else method
+    kind = (spec.draft_of or method) if spec is not None else method
     asset = SHIPPED_DRAFTS.get(str(target_name), {}).get(kind)
     if asset is None:
         return None
     directory = Path(assets) / asset if assets is not None else resources.files("blockspec") / "assets" / asset
-    what, instead = f"the shipped {_LABELS.get(kind, kind)} drafter", f"--draft DIR ({METHODS[kind].described})"
+    shipped = METHODS[kind]
+    what, instead = f"the shipped {shipped.label or kind} drafter", f"--draft DIR ({shipped.described})"
     if not directory.is_dir():
         raise BlockspecError(
             f"{what} is missing: expected the directory {directory} inside the "
@@ -149,6 +152,7 @@ def shipped_drafts(target_name: str, *, assets=None) -> dict[str, Path]:
     """Every drafter shipped for a known target, by method ({} for other targets)."""
     return {method: shipped_draft(target_name, method, assets=assets)
             for method in SHIPPED_DRAFTS.get(str(target_name), {})}
+
 
 def _call(factory, method: str, *args, **options):
     """``factory(*args, **options)``, refusing options it does not take with a clear message."""

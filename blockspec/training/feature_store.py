@@ -56,7 +56,8 @@ class FeatureStore:
         wanted = list(fingerprint["layer_ids"])
         #: The layers each file holds (what a missing sequence must be computed for).
         self.layer_ids = self._check_fingerprint(fingerprint)
-        self._columns = [self.layer_ids.index(layer) for layer in wanted]
+        columns = [self.layer_ids.index(layer) for layer in wanted]
+        self._columns = None if columns == list(range(len(self.layer_ids))) else columns  # None: every layer
 
     def _check_fingerprint(self, fingerprint: dict) -> list[int]:
         path = self.directory / FINGERPRINT_FILE
@@ -82,7 +83,7 @@ class FeatureStore:
 
     def select(self, features: torch.Tensor) -> torch.Tensor:
         """The wanted layers' columns of features of every stored layer ([T, stored * D] -> [T, wanted * D])."""
-        if self._columns == list(range(len(self.layer_ids))):
+        if self._columns is None:
             return features
         per_layer = features.reshape(features.shape[0], len(self.layer_ids), -1)
         return per_layer[:, self._columns].reshape(features.shape[0], -1).clone()
