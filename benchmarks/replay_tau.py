@@ -48,6 +48,9 @@ def main() -> int:
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
                         help="dflash: also replay each drafter over the K tokens most frequent in --draft-vocab-data")
     parser.add_argument("--draft-vocab-data", nargs="+", default=None, metavar="FILE")
+    parser.add_argument("--without-sequence-tokens", action="store_true",
+                        help="dflash over a reduced vocabulary: also replay it without the rows of each sequence's "
+                             "own tokens outside the vocabulary (the drafter's default adds them)")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()
     try:
@@ -77,13 +80,20 @@ def run(args) -> list[dict]:
     vocabularies = [None]
     if args.draft_vocab_size:
         vocabularies.append(target_vocabulary(target, args.draft_vocab_data or [], args.draft_vocab_size))
+    sequence_choices = [True, False] if args.without_sequence_tokens else [True]
     rows = []
-    for directory, vocabulary, method, (name, options) in itertools.product(args.draft, vocabularies, args.methods,
-                                                                           settings):
+    for directory, vocabulary, sequence_tokens, method, (name, options) in itertools.product(
+            args.draft, vocabularies, sequence_choices, args.methods, settings):
         if vocabulary is not None and (method != "dflash" or has_reduced_vocabulary(read_config(directory))):
             continue
         extra = {} if vocabulary is None else {"draft_vocabulary": vocabulary}
+        if not sequence_tokens:
+            if method != "dflash":
+                continue
+            extra["sequence_tokens"] = False
         drafter = build_drafter(method, target, None if method == "suffix" else directory, **extra)
+        if not sequence_tokens and drafter.draft_to_target is None:
+            continue
         lengths = defaultdict(list)
         for answer in tqdm(answers, desc=f"{Path(directory).name} {method} {name}", leave=False):
             lengths[answer.dataset] += replay_acceptance(target.model, drafter, answer.prompt_ids,
@@ -92,34 +102,56 @@ def run(args) -> list[dict]:
         for dataset, steps in lengths.items():
             rows.append({"draft": directory, "method": method, "setting": name, "dataset": dataset,
                          "vocabulary": drafter_vocabulary_size(drafter),
+                         "sequence_tokens": sequence_tokens_of(drafter),
                          "prompts": sum(a.dataset == dataset for a in answers),
                          "tau": sum(steps) / len(steps),
                          "outside": outside_share(drafter, [a for a in answers if a.dataset == dataset])})
     return rows
 
 
+def dflash_of(drafter):
+    """The DFlash drafter itself (a hybrid's primary)."""
+    return getattr(drafter, "primary", drafter)
+
+
 def drafter_vocabulary_size(drafter) -> int | None:
-    rows = getattr(drafter, "draft_to_target", None)
+    rows = getattr(dflash_of(drafter), "draft_to_target", None)
     return None if rows is None else len(rows)
 
 
-def outside_share(drafter, answers) -> float | None:
-    """The share of the target's answer tokens a reduced draft vocabulary cannot draft (None: whole vocabulary)."""
-    rows = getattr(drafter, "draft_to_target", None)
-    if rows is None:
+def sequence_tokens_of(drafter) -> bool | None:
+    """Whether a reduced-vocabulary drafter also drafts each sequence's own tokens (None: whole vocabulary)."""
+    if drafter_vocabulary_size(drafter) is None:
         return None
-    inside = set(rows.tolist())
-    tokens = [t for answer in answers for t in answer.answer_ids]
-    return sum(t not in inside for t in tokens) / max(1, len(tokens))
+    return getattr(dflash_of(drafter), "sequence_head", None) is not None
+
+
+def outside_share(drafter, answers) -> float | None:
+    """The share of the target's answer tokens a reduced draft vocabulary cannot draft (None: whole vocabulary):
+    outside its K rows and, when it drafts the sequence's own tokens, not earlier in the prompt or answer."""
+    if drafter_vocabulary_size(drafter) is None:
+        return None
+    inside, tracked = set(dflash_of(drafter).draft_to_target.tolist()), sequence_tokens_of(drafter)
+    outside = total = 0
+    for answer in answers:
+        seen = set(answer.prompt_ids) if tracked else set()
+        for token in answer.answer_ids:
+            outside += token not in inside and token not in seen
+            if tracked:
+                seen.add(token)
+        total += len(answer.answer_ids)
+    return outside / max(1, total)
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| draft | vocabulary | method | setting | dataset | prompts | tau | answer tokens outside the vocabulary |"
-          "\n|---|---|---|---|---|---|---|---|")
+    print("| draft | vocabulary | sequence tokens | method | setting | dataset | prompts | tau "
+          "| answer tokens outside the vocabulary |"
+          "\n|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         outside = "-" if row.get("outside") is None else f"{100 * row['outside']:.2f}%"
-        print(f"| {Path(row['draft']).name} | {row.get('vocabulary') or 'whole'} | {row['method']} | {row['setting']} "
-              f"| {row['dataset']} | {row['prompts']} | {row['tau']:.3f} | {outside} |")
+        tokens = {None: "-", True: "yes", False: "no"}[row.get("sequence_tokens")]
+        print(f"| {Path(row['draft']).name} | {row.get('vocabulary') or 'whole'} | {tokens} | {row['method']} "
+              f"| {row['setting']} | {row['dataset']} | {row['prompts']} | {row['tau']:.3f} | {outside} |")
 
 
 if __name__ == "__main__":

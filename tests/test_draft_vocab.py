@@ -66,7 +66,7 @@ def test_compressed_greedy_equals_plain_greedy(world, config):
 
 def test_drafts_come_from_the_reduced_vocabulary_only(world):
     target, references = world
-    drafter = compressed_drafter(target)
+    drafter = compressed_drafter(target, sequence_tokens=False)
     state = drafter.start(references[0][0], torch.randn(1, references[0][0].shape[1], 128).double())
     logits = drafter.draft_logits(state, 5, 7)
     assert logits.shape == (7, 320)
@@ -92,15 +92,60 @@ def test_the_compressed_head_scores_what_the_full_head_scores_on_its_rows(world)
     assert torch.allclose(full_logits[:, VOCAB_IDS], reduced_logits[:, VOCAB_IDS])
 
 
+def test_the_sequences_own_tokens_outside_the_vocabulary_are_drafted_too(world):
+    target, references = world
+    drafter = compressed_drafter(target)
+    prompt = torch.tensor([[3, 7, 7, 10, 301]])  # 3 is in the vocabulary, 7, 10 and 301 are not
+    features = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(1)).double()
+    state = drafter.start(prompt, features)
+    assert state.sequence_rows.ids.tolist() == [7, 10, 301]
+    drafter.commit(state, torch.tensor([[11, 7, 12, 320 - 1]]), torch.randn(1, 4, 128).double())
+    assert state.sequence_rows.ids.tolist() == [7, 10, 301, 11, 319]  # 12 is in the vocabulary, 7 known
+    logits = drafter.draft_logits(state, 5, 7)
+    drafted = torch.zeros(320, dtype=torch.bool)
+    drafted[VOCAB_IDS + [7, 10, 301, 11, 319]] = True
+    assert torch.isinf(logits[:, ~drafted]).all() and torch.isfinite(logits[:, drafted]).all()
+    proposal = drafter.propose(state, 5, 7, SamplingConfig(temperature=1.0), torch.Generator())
+    assert torch.all(proposal.probs[:, ~drafted] == 0)
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(7, dtype=proposal.probs.dtype))
+
+
+def test_the_sequence_rows_score_what_the_full_head_scores(world):
+    target, references = world
+    draft = make_dflash(target, block_size=8)
+    full = DFlashDrafter(draft, target)
+    reduced = compressed_drafter(target)
+    reduced.model.load_state_dict(full.model.state_dict(), strict=False)
+    features = torch.randn(1, 6, 128, generator=torch.Generator().manual_seed(0)).double()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    full_logits = full.draft_logits(full.start(ids, features), 9, 7)
+    reduced_logits = reduced.draft_logits(reduced.start(ids, features), 9, 7)
+    rows = VOCAB_IDS + [1, 2, 4, 5]
+    assert torch.allclose(full_logits[:, rows], reduced_logits[:, rows])
+
+
+def test_the_sequence_rows_stop_at_their_cap(world, monkeypatch):
+    from blockspec.drafters import dflash
+
+    target, _ = world
+    drafter = compressed_drafter(target)
+    monkeypatch.setattr(dflash, "MAX_SEQUENCE_ROWS", 3)
+    state = drafter.start(torch.tensor([[1, 2, 4, 5, 7]]), torch.randn(1, 5, 128).double())
+    drafter.commit(state, torch.tensor([[8]]), torch.randn(1, 1, 128).double())
+    assert state.sequence_rows.ids.numel() == 3 and state.sequence_rows.weight.shape == (3, 64)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("sequence_tokens", [False, True])
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)])
-def test_compressed_sampling_follows_the_target_distribution(sampling):
+def test_compressed_sampling_follows_the_target_distribution(sampling, sequence_tokens):
     target = small_target()
-    rows = [0, 1, 3, 4, 6]  # tokens 2 and 5 (and the mask, 7) are outside the draft vocabulary
+    rows = [0, 1, 3, 4, 6]  # tokens 2 and 5 (and the mask, 7) are outside the draft vocabulary; the prompt
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
-                            target, draft_vocabulary=torch.tensor(rows))
+                            target, draft_vocabulary=torch.tensor(rows), sequence_tokens=sequence_tokens)
     probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}
     assert sum(v for k, v in probs.items() if set(k) & {2, 5}) > 0.2  # outside tokens matter to the target
+    assert sum(v for k, v in probs.items() if 5 in k) > 0.1  # 5 stays outside even with the prompt's 2 in
     counts = sampled_joint(target, drafter, sampling, SAMPLES)
     assert chi_square_pvalue(counts, probs, SAMPLES) > PASS
 

@@ -2,7 +2,8 @@
 
 The drafter's per-sequence state is its context cache (projected keys/values of committed
 positions) and the features of positions committed since the last draft, which the next
-pass appends to that cache.
+pass appends to that cache. A drafter over a reduced vocabulary also keeps, per sequence, the
+target-head rows of the sequence's own tokens outside that vocabulary (see ``SequenceRows``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from blockspec.drafters.base import PositionwiseDrafter, Proposal
 from blockspec.errors import BlockspecError
@@ -43,6 +45,23 @@ def most_confident(logits: torch.Tensor, masked: torch.Tensor, count: int) -> to
     return confidence.masked_fill(~masked, -1.0).topk(count).indices
 
 
+#: At most this many of a sequence's own tokens join a reduced draft vocabulary (a long prompt's rare
+#: tokens would otherwise grow every pass's head without bound).
+MAX_SEQUENCE_ROWS = 2048
+
+
+@dataclass
+class SequenceRows:
+    """A sequence's own tokens (prompt and output) that a reduced draft vocabulary lacks, and their rows of
+    the target's LM head: scored next to the K rows, so identifiers the prompt names (function and variable
+    names, doctest markers) can be drafted when the output repeats them."""
+
+    ids: torch.LongTensor
+    weight: torch.Tensor
+    #: The target id of every row a draft scores: the vocabulary's K, then ``ids``.
+    row_ids: torch.LongTensor
+
+
 @dataclass
 class DFlashState:
     """One sequence: the drafter's context cache, the features not yet in it, the last draft's passes."""
@@ -51,6 +70,8 @@ class DFlashState:
     pending: torch.Tensor | None
     #: Positions the last draft committed in each denoising pass.
     commit_counts: list[int] = field(default_factory=list)
+    #: The sequence's own tokens outside a reduced draft vocabulary (None: none, or not tracked).
+    sequence_rows: SequenceRows | None = None
 
 
 class DFlashDrafter(PositionwiseDrafter):
@@ -64,7 +85,8 @@ class DFlashDrafter(PositionwiseDrafter):
     name = "dflash"
 
     def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
-                 denoise_steps: int = 1, packed: bool = False, draft_vocabulary=None):
+                 denoise_steps: int = 1, packed: bool = False, draft_vocabulary=None,
+                 sequence_tokens: bool = True):
         check_fits_target(model, target_model.config)
         if draft_vocabulary is not None:
             model.compress_vocabulary(draft_vocabulary, target_model.get_output_embeddings().weight)
@@ -78,6 +100,13 @@ class DFlashDrafter(PositionwiseDrafter):
         self.lm_head = model.lm_head if model.compressed else target_model.get_output_embeddings()
         #: Target id of each row of the head (None: the head is the target's, row = id).
         self.draft_to_target = model.draft_to_target.to(param.device) if model.compressed else None
+        #: With a reduced vocabulary and ``sequence_tokens``: the target's head, whose rows of each sequence's
+        #: own tokens outside the vocabulary are scored too; ``in_vocabulary`` marks the K ids.
+        self.sequence_head = None
+        if model.compressed and sequence_tokens:
+            self.sequence_head = target_model.get_output_embeddings().weight
+            self.in_vocabulary = torch.zeros(self.vocab_size, dtype=torch.bool, device=param.device)
+            self.in_vocabulary[self.draft_to_target] = True
         if packed and packing_available(target_model):
             self.lm_head = pack(self.lm_head)
             self.model = module_twin(self.model, pack_linears=True)
@@ -90,48 +119,79 @@ class DFlashDrafter(PositionwiseDrafter):
         self.sample_drafts = sample_drafts
         self.denoise_steps = check_denoise_steps(denoise_steps)
         self.device = param.device
+        self.dtype = param.dtype
 
     def start(self, prompt_ids, features) -> DFlashState:
-        return DFlashState(self.model.new_cache(), features)
+        state = DFlashState(self.model.new_cache(), features)
+        self._add_sequence_tokens(state, prompt_ids)
+        return state
 
     def commit(self, state: DFlashState, tokens, features) -> None:
         state.pending = features if state.pending is None else torch.cat([state.pending, features], dim=1)
+        self._add_sequence_tokens(state, tokens)
+
+    def _add_sequence_tokens(self, state: DFlashState, tokens) -> None:
+        """Give the sequence's tokens outside the reduced vocabulary rows of their own (up to the cap)."""
+        if self.sequence_head is None:
+            return
+        ids = torch.as_tensor(tokens, device=self.device).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < self.vocab_size)]
+        new = ids[~self.in_vocabulary[ids]].unique()
+        known = state.sequence_rows
+        if known is not None:
+            new = new[~torch.isin(new, known.ids)]
+        room = MAX_SEQUENCE_ROWS - (0 if known is None else known.ids.numel())
+        new = new[:max(room, 0)]
+        if new.numel() == 0:
+            return
+        weight = self.sequence_head.detach()[new].to(self.dtype)
+        if known is not None:
+            new, weight = torch.cat([known.ids, new]), torch.cat([known.weight, weight])
+        state.sequence_rows = SequenceRows(ids=new, weight=weight, row_ids=torch.cat([self.draft_to_target, new]))
 
     @torch.inference_mode()
     def propose(self, state: DFlashState, last_token, num_tokens, sampling, generator) -> Proposal:
         if num_tokens == 0:
             return Proposal.empty(self.device)
         logits = self.head_logits(state, last_token, num_tokens)
+        row_ids = self.row_ids(state)
         # Drafted out of left-to-right order, a sampled token's q is not its distribution given the
         # drafts before it, so rejection sampling with q would be biased: denoised drafts are
         # deterministic (accepted with probability p(draft), exact for any deterministic draft).
         denoised = len(state.commit_counts) > 1
         if sampling.greedy or not self.sample_drafts or denoised:
             rows = logits.argmax(dim=-1)
-            return Proposal(self._target_ids(rows), confidence=draft_confidence(logits, rows))
-        probs = self._target_probs(sampling_probs(logits, sampling))  # zero outside the draft vocabulary
+            return Proposal(self._target_ids(rows, row_ids), confidence=draft_confidence(logits, rows))
+        probs = self._target_probs(sampling_probs(logits, sampling), row_ids)  # zero outside the drafted rows
         return Proposal(sample_from(probs, generator), probs)  # its confidence is q(token), from probs
 
     @torch.inference_mode()
     def draft_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
         """Logits [num_tokens, V] for the positions after ``last_token`` (-inf outside a reduced draft
-        vocabulary)."""
+        vocabulary and the sequence's own tokens)."""
         logits = self.head_logits(state, last_token, num_tokens)
-        if self.draft_to_target is None:
+        row_ids = self.row_ids(state)
+        if row_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_to_target, logits)
+        return full.index_copy_(1, row_ids, logits)
 
     def row_logits(self, state: DFlashState, last_token: int, num_tokens: int):
-        return self.head_logits(state, last_token, num_tokens), self.draft_to_target
+        logits = self.head_logits(state, last_token, num_tokens)
+        return logits, self.row_ids(state)
 
-    def _target_ids(self, rows: torch.LongTensor) -> torch.LongTensor:
-        return rows if self.draft_to_target is None else self.draft_to_target[rows]
+    def row_ids(self, state: DFlashState) -> torch.LongTensor | None:
+        """The target id of each row this sequence's drafts score (None: the target's whole vocabulary)."""
+        rows = state.sequence_rows
+        return self.draft_to_target if rows is None else rows.row_ids
 
-    def _target_probs(self, probs: torch.Tensor) -> torch.Tensor:
-        if self.draft_to_target is None:
+    def _target_ids(self, rows: torch.LongTensor, row_ids: torch.LongTensor | None) -> torch.LongTensor:
+        return rows if row_ids is None else row_ids[rows]
+
+    def _target_probs(self, probs: torch.Tensor, row_ids: torch.LongTensor | None) -> torch.Tensor:
+        if row_ids is None:
             return probs
-        return probs.new_zeros((probs.shape[0], self.vocab_size)).index_copy_(1, self.draft_to_target, probs)
+        return probs.new_zeros((probs.shape[0], self.vocab_size)).index_copy_(1, row_ids, probs)
 
     @torch.inference_mode()
     def head_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
@@ -145,39 +205,46 @@ class DFlashDrafter(PositionwiseDrafter):
         start = state.cache.length + (0 if pending is None else pending.shape[1])
         block_ids = torch.full((1, num_tokens + 1), self.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[0, 0] = last_token
-        logits = self._block_logits(state.cache, block_ids, start, pending)
+        logits = self._block_logits(state, block_ids, start, pending)
         state.pending = None
         schedule = denoise_schedule(num_tokens, self.denoise_steps)
         state.commit_counts = schedule
         if len(schedule) <= 1:  # one pass commits every position: nothing to rank or feed back
             return logits
         committed = torch.empty_like(logits)
+        row_ids = self.row_ids(state)
         masked = torch.ones(num_tokens, dtype=torch.bool, device=self.device)
         for index, count in enumerate(schedule):
             if index > 0:
-                logits = self._block_logits(state.cache, block_ids, start)
+                logits = self._block_logits(state, block_ids, start)
             chosen = most_confident(logits, masked, count)
             committed[chosen] = logits[chosen]
-            block_ids[0, 1 + chosen] = self._target_ids(logits[chosen].argmax(dim=-1))
+            block_ids[0, 1 + chosen] = self._target_ids(logits[chosen].argmax(dim=-1), row_ids)
             masked[chosen] = False
         return committed
 
-    def _block_logits(self, cache: ContextCache, block_ids, start: int,
+    def _block_logits(self, state: DFlashState, block_ids, start: int,
                       context: torch.Tensor | None = None) -> torch.Tensor:
         """One pass over the block at positions ``start``...; ``context``: features of the positions
-        just before ``start``, appended to the cache (None: attend the cache as it is)."""
+        just before ``start``, appended to the cache (None: attend the cache as it is). Its rows: the
+        head's, then the sequence's own tokens'."""
         context_positions = None if context is None else \
             position_ids(start - context.shape[1], context.shape[1], self.device)
         hidden = self.model(self.model.embed_block(self.embed_tokens, block_ids),
                             position_ids(start, block_ids.shape[1], self.device),
-                            context, context_positions, cache)
-        logits = self.lm_head(hidden[0, 1:]).float()
+                            context, context_positions, state.cache)
+        logits = self.lm_head(hidden[0, 1:])
+        if state.sequence_rows is not None:
+            logits = torch.cat([logits, F.linear(hidden[0, 1:], state.sequence_rows.weight)], dim=-1)
+        logits = logits.float()
         return logits if self.model.logit_scale == 1.0 else logits * self.model.logit_scale
 
 
 def build(directory, target, *, sample_drafts: bool = True, denoise_steps: int = 1,
-          packed: bool = False, draft_vocabulary=None) -> DFlashDrafter:
+          packed: bool = False, draft_vocabulary=None, sequence_tokens: bool = True) -> DFlashDrafter:
     """A DFlash drafter for ``target`` (a ``Target``) from its checkpoint directory; ``draft_vocabulary``
-    (target ids) makes it draft over those tokens only, through their rows of the target's head."""
+    (target ids) makes it draft over those tokens only, through their rows of the target's head;
+    ``sequence_tokens``: a reduced vocabulary also drafts each sequence's own tokens."""
     return DFlashDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
-                         denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary)
+                         denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary,
+                         sequence_tokens=sequence_tokens)
