@@ -13,7 +13,7 @@ from blockspec.errors import BlockspecError
 from helpers import decode, make_causal_lm, make_dflash, make_recursive, perturbed_copy, prompts, repetitive_prompts
 
 NUM_PROMPTS = 8
-METHODS = ["ar", "dflash", "eagle3", "mtp", "ngram", "draft"]
+METHODS = ["ar", "dflash", "dflash-reduced", "eagle3", "mtp", "ngram", "draft"]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -27,6 +27,8 @@ def make_prototype(method, target):
         return None
     if method == "dflash":
         return DFlashDrafter(make_dflash(target, block_size=8), target)
+    if method == "dflash-reduced":  # every third token, plus each row's own tokens outside them
+        return DFlashDrafter(make_dflash(target, block_size=8), target, draft_vocabulary=torch.arange(0, 320, 3))
     if method in ("eagle3", "mtp"):
         return RecursiveDrafter(make_recursive(method, target, draft_vocab_size=200), target, name=method)
     if method == "ngram":
