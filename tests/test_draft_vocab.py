@@ -111,12 +111,9 @@ def test_the_sequences_own_tokens_outside_the_vocabulary_are_drafted_too(world):
     assert torch.allclose(proposal.probs.sum(-1), torch.ones(7, dtype=proposal.probs.dtype))
 
 
-def test_the_sequence_rows_stop_at_their_cap(world, monkeypatch):
-    from blockspec.drafters import dflash
-
+def test_the_sequence_rows_stop_at_their_cap(world):
     target, _ = world
-    drafter = compressed_drafter(target)
-    monkeypatch.setattr(dflash, "MAX_SEQUENCE_ROWS", 3)
+    drafter = compressed_drafter(target, max_sequence_rows=3)
     state = drafter.start(torch.tensor([[1, 2, 4, 5, 7]]), torch.randn(1, 5, 128).double())
     drafter.commit(state, torch.tensor([[8]]), torch.randn(1, 1, 128).double())
     assert state.sequence_rows.ids.numel() == 3 and state.sequence_rows.weight.shape == (3, 64)
@@ -127,7 +124,7 @@ def test_the_sequence_rows_stop_at_their_cap(world, monkeypatch):
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)])
 def test_compressed_sampling_follows_the_target_distribution(sampling, sequence_tokens):
     target = small_target()
-    rows = [0, 1, 3, 4, 6]  # tokens 2 and 5 (and the mask, 7) are outside the draft vocabulary; the prompt
+    rows = [0, 1, 3, 4, 6]  # tokens 2 and 5 (and the mask, 7) are outside the draft vocabulary; the prompt has 2
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
                             target, draft_vocabulary=torch.tensor(rows), sequence_tokens=sequence_tokens)
     probs = {k: v for k, v in exact_joint(target, sampling).items() if v > 0}

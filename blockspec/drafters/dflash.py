@@ -45,8 +45,8 @@ def most_confident(logits: torch.Tensor, masked: torch.Tensor, count: int) -> to
     return confidence.masked_fill(~masked, -1.0).topk(count).indices
 
 
-#: At most this many of a sequence's own tokens join a reduced draft vocabulary (a long prompt's rare
-#: tokens would otherwise grow every pass's head without bound).
+#: By default at most this many of a sequence's own tokens join a reduced draft vocabulary (a long
+#: prompt's rare tokens would otherwise grow every pass's head without bound).
 MAX_SEQUENCE_ROWS = 2048
 
 
@@ -56,9 +56,10 @@ class SequenceRows:
     the target's LM head: scored next to the K rows, so identifiers the prompt names (function and variable
     names, doctest markers) can be drafted when the output repeats them."""
 
+    #: Their target ids, on the CPU (bookkeeping only, so a step adds no device round trip).
     ids: torch.LongTensor
     weight: torch.Tensor
-    #: The target id of every row a draft scores: the vocabulary's K, then ``ids``.
+    #: The target id of every row a draft scores, on the drafter's device: the vocabulary's K, then ``ids``.
     row_ids: torch.LongTensor
 
 
@@ -86,7 +87,7 @@ class DFlashDrafter(PositionwiseDrafter):
 
     def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
                  denoise_steps: int = 1, packed: bool = False, draft_vocabulary=None,
-                 sequence_tokens: bool = True):
+                 sequence_tokens: bool = True, max_sequence_rows: int = MAX_SEQUENCE_ROWS):
         check_fits_target(model, target_model.config)
         if draft_vocabulary is not None:
             model.compress_vocabulary(draft_vocabulary, target_model.get_output_embeddings().weight)
@@ -101,12 +102,13 @@ class DFlashDrafter(PositionwiseDrafter):
         #: Target id of each row of the head (None: the head is the target's, row = id).
         self.draft_to_target = model.draft_to_target.to(param.device) if model.compressed else None
         #: With a reduced vocabulary and ``sequence_tokens``: the target's head, whose rows of each sequence's
-        #: own tokens outside the vocabulary are scored too; ``in_vocabulary`` marks the K ids.
+        #: own tokens outside the vocabulary are scored too; ``in_vocabulary`` marks the K ids (on the CPU).
         self.sequence_head = None
         if model.compressed and sequence_tokens:
             self.sequence_head = target_model.get_output_embeddings().weight
-            self.in_vocabulary = torch.zeros(self.vocab_size, dtype=torch.bool, device=param.device)
-            self.in_vocabulary[self.draft_to_target] = True
+            self.in_vocabulary = torch.zeros(self.vocab_size, dtype=torch.bool)
+            self.in_vocabulary[model.draft_to_target.cpu()] = True
+            self.max_sequence_rows = max_sequence_rows
         if packed and packing_available(target_model):
             self.lm_head = pack(self.lm_head)
             self.model = module_twin(self.model, pack_linears=True)
@@ -134,20 +136,21 @@ class DFlashDrafter(PositionwiseDrafter):
         """Give the sequence's tokens outside the reduced vocabulary rows of their own (up to the cap)."""
         if self.sequence_head is None:
             return
-        ids = torch.as_tensor(tokens, device=self.device).reshape(-1)
+        ids = torch.as_tensor(tokens).reshape(-1).cpu()
         ids = ids[(ids >= 0) & (ids < self.vocab_size)]
         new = ids[~self.in_vocabulary[ids]].unique()
         known = state.sequence_rows
         if known is not None:
             new = new[~torch.isin(new, known.ids)]
-        room = MAX_SEQUENCE_ROWS - (0 if known is None else known.ids.numel())
+        room = self.max_sequence_rows - (0 if known is None else known.ids.numel())
         new = new[:max(room, 0)]
         if new.numel() == 0:
             return
-        weight = self.sequence_head.detach()[new].to(self.dtype)
+        weight = self.sequence_head.detach()[new.to(self.device)].to(self.dtype)
         if known is not None:
             new, weight = torch.cat([known.ids, new]), torch.cat([known.weight, weight])
-        state.sequence_rows = SequenceRows(ids=new, weight=weight, row_ids=torch.cat([self.draft_to_target, new]))
+        row_ids = torch.cat([self.draft_to_target, new.to(self.device)])
+        state.sequence_rows = SequenceRows(ids=new, weight=weight, row_ids=row_ids)
 
     @torch.inference_mode()
     def propose(self, state: DFlashState, last_token, num_tokens, sampling, generator) -> Proposal:
