@@ -5,7 +5,9 @@ This is the data stage of the shipped drafter (README, "The shipped drafter"). B
 greedy, 256 new tokens, fp32, cached to runs/smollm2-data/responses.jsonl. Stop it at any
 time; run it again to continue. `blockspec train-draft --responses cache` then trains on
 what is there. --styles asks the prompts the ways users do (plain, chat-style, with the
-benchmark suffix), so a drafter does not learn one phrasing only.
+benchmark suffix; "stub" asks a coding task with a reference solution as its function's
+signature and docstring to complete, HumanEval's form), so a drafter does not learn one
+phrasing only.
 
 More prompts of each file: raise the counts and pass the first cache as --exclude-cache,
 so only prompts it lacks are generated (the files are shuffled with a fixed seed, so a

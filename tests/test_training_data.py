@@ -11,7 +11,8 @@ import torch
 
 from blockspec.errors import BlockspecError
 from blockspec.tokens import encode_prompt, stop_token_ids
-from blockspec.training.prompts import GSM8K_INSTRUCTION, PromptRecord, load_prompts, restyle_prompts
+from blockspec.training.function_stubs import function_stub
+from blockspec.training.prompts import GSM8K_INSTRUCTION, PromptRecord, load_prompts, record_id, restyle_prompts
 from blockspec.training.response_cache import meta_path, read_cache
 from blockspec.training.responses import generate_responses, responses_from_data
 from blockspec.training.samples import load_samples
@@ -432,3 +433,38 @@ def test_restyled_prompts_are_asked_in_each_style_with_their_own_ids():
     assert restyle_prompts(records, ["plain", "suffix", "chat"], seed=0) == restyled  # reproducible
     with pytest.raises(BlockspecError, match="prompt styles"):
         restyle_prompts(records, ["shouting"])
+
+
+SOLUTION = ("import math\r\ndef helper(x):\r\n\treturn x\r\n"
+            "def area(r, scale=1):\r\n\treturn helper(math.pi * r * r) * scale")
+
+
+@pytest.mark.parametrize("solution, tests, expected", [
+    (SOLUTION, ["assert area(1) == 3.14159", "assert area(2, scale=2) == 25.1327", "assert area(0) is not None"],
+     'import math\n\n\ndef area(r, scale=1):\n    """ Area of a circle.\n    >>> area(1)\n    3.14159\n'
+     '    >>> area(2, scale=2)\n    25.1327\n    """\n'),
+    # no tests: the last function is the one asked for
+    ("def f(a: int) -> int:\n    return a\n", [], 'def f(a: int) -> int:\n    """ Area of a circle.\n    """\n'),
+    ("The area is pi r squared.", [], None),  # not Python
+    ("x = 1\nprint(x)", [], None),  # no function
+])
+def test_function_stub_asks_the_tested_function_with_its_examples(solution, tests, expected):
+    assert function_stub("Area of a circle.", solution, tests) == expected
+
+
+def test_stub_style_applies_to_records_with_a_function_to_complete(tmp_path):
+    path = write_jsonl(tmp_path / "mbpp.jsonl", [
+        {"task_id": 2, "text": "Add one.", "code": "def add_one(x):\r\n\treturn x + 1",
+         "test_list": ["assert add_one(1) == 2"]},
+        {"task_id": 3, "text": "Say hi.", "code": "print('hi')", "test_list": []},
+        {"task_id": 20, "text": "A test-split task.", "code": "def t():\n    pass", "test_list": []},
+    ])
+    records, _ = load_prompts([path], shuffle=False, format_prompts=False)
+    only_stubs = restyle_prompts(records, ["stub"])
+    assert [r.id for r in only_stubs] == ["mbpp:0@stub"]  # the row without a function is left out
+    assert [record_id(r.id) for r in only_stubs] == ["mbpp:0"]
+    text = only_stubs[0].messages[-1]["content"]
+    assert "def add_one(x):" in text and ">>> add_one(1)\n    2" in text and "Add one." in text
+    mixed = restyle_prompts(records, ["plain", "stub"], seed=1)
+    assert [r.id.split("@")[0] for r in mixed] == ["mbpp:0", "mbpp:1"]
+    assert mixed[1].id == "mbpp:1@plain" and mixed[1].messages[-1]["content"] == "Say hi."

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.errors import BlockspecError
+from blockspec.training.function_stubs import STUB_WRAPPERS, function_stub
 
 NO_TEXT = "no_text"
 TEST_SPLIT = "test_split"
@@ -30,8 +31,10 @@ MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: task_id 11..510
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 #: Ways users ask: a drafter trained on one phrasing of its prompts drafts worse for the others.
-#: "suffix" is the benchmark's gsm8k phrasing; a "chat" record takes one of CHAT_WRAPPERS.
-PROMPT_STYLES = ("plain", "suffix", "chat")
+#: "suffix" is the benchmark's gsm8k phrasing; a "chat" record takes one of CHAT_WRAPPERS; "stub"
+#: asks a coding task as a function stub to complete (`function_stub`, HumanEval's form) in one of
+#: STUB_WRAPPERS, and applies only to records whose response is Python defining a function.
+PROMPT_STYLES = ("plain", "suffix", "chat", "stub")
 CHAT_WRAPPERS = (
     "Can you help me with this?\n\n{}",
     "{}\nShow your work.",
@@ -54,6 +57,7 @@ class PromptRecord:
     id: str
     messages: list[dict]
     response: str | None = None
+    tests: tuple[str, ...] = ()  # the row's test asserts (MBPP test_list), for the "stub" style
 
 
 @dataclass
@@ -165,23 +169,32 @@ def load_prompts(
 
 def restyle_prompts(records: Sequence[PromptRecord], styles: Sequence[str], *, seed: int = 0) -> list[PromptRecord]:
     """Each record's last user message asked in one of ``styles`` (PROMPT_STYLES), picked per record
-    from ``seed`` and its id; the id gains ``@style`` so restyled prompts never clash with the originals."""
+    from ``seed`` and its id among the styles that apply to it; the id gains ``@style`` so restyled
+    prompts never clash with the originals. A record no style applies to ("stub" alone, for a record
+    without a function to stub) is left out."""
     unknown = sorted(set(styles) - set(PROMPT_STYLES))
     if unknown or not styles:
         raise BlockspecError(f"prompt styles must be some of {', '.join(PROMPT_STYLES)}, got {list(styles)}")
     restyled = []
     for record in records:
         pick = random.Random(f"{seed}:{record.id}")
-        style = pick.choice(list(styles))
         messages = [dict(m) for m in record.messages]
         last = max(i for i, m in enumerate(messages) if m["role"] == "user")
         text = messages[last]["content"]
+        stub = function_stub(text, record.response, record.tests) if "stub" in styles and record.response else None
+        usable = [style for style in styles if style != "stub" or stub is not None]
+        if not usable:
+            continue
+        style = pick.choice(usable)
         if style == "suffix":
             text = text + GSM8K_INSTRUCTION
         elif style == "chat":
             text = pick.choice(CHAT_WRAPPERS).format(text)
+        elif style == "stub":
+            text = pick.choice(STUB_WRAPPERS).format(stub)
         messages[last]["content"] = text
-        restyled.append(PromptRecord(id=f"{record.id}@{style}", messages=messages, response=record.response))
+        restyled.append(PromptRecord(id=f"{record.id}@{style}", messages=messages, response=record.response,
+                                     tests=record.tests))
     return restyled
 
 
@@ -226,7 +239,8 @@ def _read_prompt_file(path: Path, prefix: str, seen: set, *, max_chars: int | No
             report.skipped[DUPLICATE] += 1
             continue
         seen.add(key)
-        records.append(PromptRecord(id=f"{prefix}:{row_index}", messages=parsed.messages, response=parsed.response))
+        records.append(PromptRecord(id=f"{prefix}:{row_index}", messages=parsed.messages, response=parsed.response,
+                                    tests=parsed.tests))
     report.kind = "+".join(k for k, _ in kinds.most_common(2)) or "none"
     if mbpp_without_task_id:
         report.warnings.append(
@@ -351,6 +365,7 @@ class _ParsedRow:
     response: str | None
     kind: str  # the row's layout
     missing_task_id: int  # 1 for a row of an MBPP-like file without an integer task_id
+    tests: tuple[str, ...] = ()
 
 
 def _parse_row(row: Any, *, is_mbpp_file: bool, is_gsm8k_file: bool, format_prompts: bool) -> _ParsedRow | str:
@@ -373,6 +388,8 @@ def _parse_row(row: Any, *, is_mbpp_file: bool, is_gsm8k_file: bool, format_prom
     if isinstance(parsed, str):
         return parsed
     parsed.missing_task_id = int(is_mbpp and task_id is None)
+    if is_mbpp and isinstance(row.get("test_list"), list):
+        parsed.tests = tuple(t for t in row["test_list"] if isinstance(t, str))
     if parsed.response is None:
         fields = RESPONSE_FIELDS + (("code",) if is_mbpp else ())
         parsed.response = next((r for r in (_text(row.get(f)) for f in fields) if r is not None), None)

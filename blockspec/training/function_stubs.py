@@ -1,0 +1,77 @@
+"""A coding task asked the way HumanEval asks: the function's signature and a docstring to complete.
+
+Code benchmarks give the model a stub (imports, ``def name(args):``, a docstring with the task and
+``>>>`` examples) rather than an instruction; a drafter trained only on instructions drafts such
+answers worse. `function_stub` builds that stub from a training row that has a reference solution
+(MBPP ``code``, Code Alpaca ``output``) and, where given, its test asserts (MBPP ``test_list``).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+
+MAX_EXAMPLES = 3
+
+#: How a stub is put to the model: the benchmark's wording and a few others users write.
+STUB_WRAPPERS = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```",
+    "Complete this Python function:\n```python\n{}\n```",
+    "```python\n{}\n```\nImplement the function above.",
+    "{}",
+)
+
+
+def function_stub(task: str, solution: str, tests: Sequence[str] = ()) -> str | None:
+    """The stub of the solution's function, its docstring the task and up to MAX_EXAMPLES examples from
+    ``tests``; None when the solution is not Python that defines a top-level function."""
+    try:
+        tree = ast.parse(solution.replace("\r\n", "\n").replace("\t", "    "))
+    except (SyntaxError, ValueError):
+        return None
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+    if not functions:
+        return None
+    called = {name for test in tests for name in _called_names(test)}
+    function = next((f for f in functions if f.name in called), functions[-1])
+    imports = [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    examples = [e for e in (_doctest_example(test, function.name) for test in tests) if e][:MAX_EXAMPLES]
+    docstring = _indented([task.strip(), *examples])
+    head = "\n".join(imports) + "\n\n\n" if imports else ""
+    return f'{head}{_signature(function)}\n    """ {docstring}\n    """\n'
+
+
+def _signature(function: ast.FunctionDef) -> str:
+    bare = ast.FunctionDef(name=function.name, args=function.args, body=[ast.Pass()], decorator_list=[],
+                           returns=function.returns, type_params=[])
+    return ast.unparse(ast.fix_missing_locations(bare)).splitlines()[0]
+
+
+def _doctest_example(test: str, name: str) -> str | None:
+    """``assert name(args) == value`` as a doctest example; None for any other form of test."""
+    try:
+        node = ast.parse(test.strip()).body[0]
+    except (SyntaxError, ValueError, IndexError):
+        return None
+    if not isinstance(node, ast.Assert) or not isinstance(node.test, ast.Compare):
+        return None
+    compare = node.test
+    call = compare.left
+    if (len(compare.ops) != 1 or not isinstance(compare.ops[0], ast.Eq) or not isinstance(call, ast.Call)
+            or not isinstance(call.func, ast.Name) or call.func.id != name):
+        return None
+    return f">>> {ast.unparse(call)}\n{ast.unparse(compare.comparators[0])}"
+
+
+def _called_names(test: str) -> list[str]:
+    try:
+        tree = ast.parse(test.strip())
+    except (SyntaxError, ValueError):
+        return []
+    return [node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+
+
+def _indented(parts: list[str]) -> str:
+    """The docstring body: parts one per paragraph, every line after the first indented four spaces."""
+    lines = "\n".join(parts).splitlines()
+    return "\n".join([lines[0], *("    " + line if line.strip() else "" for line in lines[1:])])
