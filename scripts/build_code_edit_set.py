@@ -16,7 +16,8 @@ import json
 import re
 from pathlib import Path
 
-MBPP_TEST_IDS = range(11, 511)
+from blockspec.data.benchmarks import MBPP_TEST_IDS
+
 EDITS = [
     "Rename the function `{name}` to `{new_name}` everywhere and return the whole code, unchanged otherwise.",
     "Add a docstring to `{name}` that says what it returns, and return the whole code, unchanged otherwise.",

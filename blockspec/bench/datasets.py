@@ -14,6 +14,7 @@ import random
 from importlib import resources
 from pathlib import Path
 
+from blockspec.data.benchmarks import HUMANEVAL_TEMPLATE, MBPP_TEST_IDS, REASONING_INSTRUCTION
 from blockspec.errors import BlockspecError
 
 #: Names of the bundled subsets (files ``blockspec/data/prompts/<name>.jsonl``).
@@ -22,10 +23,6 @@ BUNDLED = ("gsm8k", "humaneval", "math500", "mbpp", "mt_bench", "code_edit")
 _PROMPT_PACKAGE = "blockspec.data.prompts"
 _TEXT_FIELDS = ("prompt", "question", "text")
 
-REASONING_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
-                      "```python\n{prompt}\n```")
-MBPP_TEST_IDS = range(11, 511)
 
 #: The evaluation sets' files in a data directory (the layout of the offline copies).
 DATASET_FILES = {

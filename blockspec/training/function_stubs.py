@@ -11,14 +11,16 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 
+from blockspec.data.benchmarks import HUMANEVAL_TEMPLATE
+
 MAX_EXAMPLES = 3
 
-#: How a stub is put to the model: the benchmark's wording and a few others users write.
+#: How a stub is put to the model (``{prompt}``): the benchmark's wording and a few others users write.
 STUB_WRAPPERS = (
-    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```",
-    "Complete this Python function:\n```python\n{}\n```",
-    "```python\n{}\n```\nImplement the function above.",
-    "{}",
+    HUMANEVAL_TEMPLATE,
+    "Complete this Python function:\n```python\n{prompt}\n```",
+    "```python\n{prompt}\n```\nImplement the function above.",
+    "{prompt}",
 )
 
 
@@ -32,10 +34,12 @@ def function_stub(task: str, solution: str, tests: Sequence[str] = ()) -> str | 
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
     if not functions:
         return None
-    called = {name for test in tests for name in _called_names(test)}
+    parsed_tests = [module for module in map(_parse, tests) if module is not None]
+    called = {node.func.id for module in parsed_tests for node in ast.walk(module)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     function = next((f for f in functions if f.name in called), functions[-1])
     imports = [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    examples = [e for e in (_doctest_example(test, function.name) for test in tests) if e][:MAX_EXAMPLES]
+    examples = [e for e in (_doctest_example(m, function.name) for m in parsed_tests) if e][:MAX_EXAMPLES]
     docstring = _indented([task.strip(), *examples])
     head = "\n".join(imports) + "\n\n\n" if imports else ""
     return f'{head}{_signature(function)}\n    """ {docstring}\n    """\n'
@@ -47,12 +51,16 @@ def _signature(function: ast.FunctionDef) -> str:
     return ast.unparse(ast.fix_missing_locations(bare)).splitlines()[0]
 
 
-def _doctest_example(test: str, name: str) -> str | None:
-    """``assert name(args) == value`` as a doctest example; None for any other form of test."""
+def _parse(test: str) -> ast.Module | None:
     try:
-        node = ast.parse(test.strip()).body[0]
-    except (SyntaxError, ValueError, IndexError):
+        return ast.parse(test.strip())
+    except (SyntaxError, ValueError):
         return None
+
+
+def _doctest_example(test: ast.Module, name: str) -> str | None:
+    """A test ``assert name(args) == value`` as a doctest example; None for any other form of test."""
+    node = test.body[0] if test.body else None
     if not isinstance(node, ast.Assert) or not isinstance(node.test, ast.Compare):
         return None
     compare = node.test
@@ -61,14 +69,6 @@ def _doctest_example(test: str, name: str) -> str | None:
             or not isinstance(call.func, ast.Name) or call.func.id != name):
         return None
     return f">>> {ast.unparse(call)}\n{ast.unparse(compare.comparators[0])}"
-
-
-def _called_names(test: str) -> list[str]:
-    try:
-        tree = ast.parse(test.strip())
-    except (SyntaxError, ValueError):
-        return []
-    return [node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
 
 
 def _indented(parts: list[str]) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blockspec.data.benchmarks import MBPP_TEST_IDS, REASONING_INSTRUCTION
 from blockspec.errors import BlockspecError
 from blockspec.training.function_stubs import STUB_WRAPPERS, function_stub
 
@@ -27,8 +28,7 @@ DUPLICATE = "duplicate"
 TOO_LONG = "too_long"
 SKIP_REASONS = (NO_TEXT, TEST_SPLIT, DUPLICATE, TOO_LONG)
 
-MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: task_id 11..510
-GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+GSM8K_INSTRUCTION = REASONING_INSTRUCTION  # the benchmark's gsm8k (and math500) phrasing
 
 #: Ways users ask: a drafter trained on one phrasing of its prompts drafts worse for the others.
 #: "suffix" is the benchmark's gsm8k phrasing; a "chat" record takes one of CHAT_WRAPPERS; "stub"
@@ -191,7 +191,7 @@ def restyle_prompts(records: Sequence[PromptRecord], styles: Sequence[str], *, s
         elif style == "chat":
             text = pick.choice(CHAT_WRAPPERS).format(text)
         elif style == "stub":
-            text = pick.choice(STUB_WRAPPERS).format(stub)
+            text = pick.choice(STUB_WRAPPERS).format(prompt=stub)
         messages[last]["content"] = text
         restyled.append(PromptRecord(id=f"{record.id}@{style}", messages=messages, response=record.response,
                                      tests=record.tests))
