@@ -94,17 +94,16 @@ def run(args) -> list[dict]:
         drafter = build_drafter(method, target, None if method == "suffix" else directory, **extra)
         if not sequence_tokens and drafter.draft_to_target is None:
             continue
-        lengths = defaultdict(list)
+        lengths = defaultdict(list)  # dataset -> each answer's step lengths
         for answer in tqdm(answers, desc=f"{Path(directory).name} {method} {name}", leave=False):
-            lengths[answer.dataset] += replay_acceptance(target.model, drafter, answer.prompt_ids,
-                                                         answer.answer_ids, max_new_tokens=max_new,
-                                                         **options)
-        for dataset, steps in lengths.items():
+            lengths[answer.dataset].append(replay_acceptance(target.model, drafter, answer.prompt_ids,
+                                                             answer.answer_ids, max_new_tokens=max_new,
+                                                             **options))
+        for dataset, per_answer in lengths.items():
             rows.append({"draft": directory, "method": method, "setting": name, "dataset": dataset,
                          "vocabulary": drafter_vocabulary_size(drafter),
                          "sequence_tokens": sequence_tokens_of(drafter),
-                         "prompts": sum(a.dataset == dataset for a in answers),
-                         "tau": sum(steps) / len(steps),
+                         "prompts": len(per_answer), **step_figures(per_answer),
                          "outside": outside_share(drafter, [a for a in answers if a.dataset == dataset])})
     return rows
 
@@ -112,6 +111,16 @@ def run(args) -> list[dict]:
 def dflash_of(drafter):
     """The DFlash drafter itself (a hybrid's primary)."""
     return getattr(drafter, "primary", drafter)
+
+
+def step_figures(per_answer: list[list[int]]) -> dict:
+    """tau over all steps, and apart: the first decode step's tokens (drafted from the prompt and the
+    prefill's token, where an answer's opening phrase is won or lost) and tau over the steps after it."""
+    steps = [n for lengths in per_answer for n in lengths]
+    later = [n for lengths in per_answer for n in lengths[1:]]
+    return {"tau": sum(steps) / len(steps),
+            "first_step": sum(lengths[0] for lengths in per_answer) / len(per_answer),
+            "tau_after_first": sum(later) / len(later) if later else None}
 
 
 def drafter_vocabulary_size(drafter) -> int | None:
@@ -145,13 +154,18 @@ def outside_share(drafter, answers) -> float | None:
 
 def print_table(rows: list[dict]) -> None:
     print("| draft | vocabulary | sequence tokens | method | setting | dataset | prompts | tau "
-          "| answer tokens outside the vocabulary |"
-          "\n|---|---|---|---|---|---|---|---|---|")
+          "| first step | tau after it | answer tokens outside the vocabulary |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         outside = "-" if row.get("outside") is None else f"{100 * row['outside']:.2f}%"
         tokens = {None: "-", True: "yes", False: "no"}[row.get("sequence_tokens")]
         print(f"| {Path(row['draft']).name} | {row.get('vocabulary') or 'whole'} | {tokens} | {row['method']} "
-              f"| {row['setting']} | {row['dataset']} | {row['prompts']} | {row['tau']:.3f} | {outside} |")
+              f"| {row['setting']} | {row['dataset']} | {row['prompts']} | {row['tau']:.3f} "
+              f"| {row['first_step']:.2f} | {_figure(row['tau_after_first'])} | {outside} |")
+
+
+def _figure(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

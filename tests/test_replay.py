@@ -123,4 +123,10 @@ def test_replay_from_a_bench_run_gives_its_taus(tiny_target_dir, tiny_draft_dir,
         steps = [n for (method, id_), lengths in live.items() if method == "dflash@4" and id_.startswith(dataset)
                  for n in lengths]
         assert chain[dataset] == pytest.approx(sum(steps) / len(steps))
+        per_answer = [lengths for (method, id_), lengths in live.items()
+                      if method == "dflash@4" and id_.startswith(dataset)]
+        row = next(r for r in rows if r["setting"] == "chain@4" and r["dataset"] == dataset)
+        assert row["first_step"] == pytest.approx(sum(a[0] for a in per_answer) / len(per_answer))
+        later = [n for a in per_answer for n in a[1:]]
+        assert row["tau_after_first"] == pytest.approx(sum(later) / len(later))
     assert {r["setting"] for r in rows} == {"chain@4", "tree8"}
