@@ -11,6 +11,7 @@ questions asked two ways, e.g. the last 50 gsm8k test questions plainly and with
 """
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ def main() -> int:
 
 def confidence_of_run(path: Path, args) -> dict:
     results = json.loads(path.read_text())
-    target = load_target(args.target or results["target"])
+    target = _load_target(args.target or results["target"])
     answers = recorded_answers(results, target, args.data_dir)
     top1, entropy = [], []
     for answer in answers:
@@ -61,15 +62,20 @@ def confidence_of_run(path: Path, args) -> dict:
     return row
 
 
+@functools.cache
+def _load_target(name: str):
+    return load_target(name)  # runs of one target (the usual comparison) load it once
+
+
 @torch.inference_mode()
 def answer_confidence(model, prompt_ids: list[int], answer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per answer token: the target's probability of the token it chose, and its distribution's entropy."""
-    ids = torch.tensor([prompt_ids + answer_ids])
+    ids = torch.tensor([prompt_ids + answer_ids], device=model.device)
     logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
     log_probs = torch.log_softmax(logits, dim=-1)
-    chosen = log_probs.gather(-1, torch.tensor(answer_ids).unsqueeze(-1)).squeeze(-1).exp()
+    chosen = log_probs.gather(-1, ids[0, len(prompt_ids):].unsqueeze(-1)).squeeze(-1).exp()
     entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return chosen, entropy
+    return chosen.cpu(), entropy.cpu()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Replaying greedy decoding against a recorded answer gives the live loop's acceptance lengths."""
 
+import runpy
+
 import pytest
 import torch
 
@@ -82,7 +84,6 @@ def test_replay_of_an_answer_that_stopped_early(world, tree_budget):
 
 def test_replay_from_a_bench_run_gives_its_taus(tiny_target_dir, tiny_draft_dir, tmp_path, monkeypatch):
     import json
-    import runpy
     import sys
 
     from blockspec.bench.replay import recorded_answers
@@ -120,13 +121,27 @@ def test_replay_from_a_bench_run_gives_its_taus(tiny_target_dir, tiny_draft_dir,
     rows = json.loads((tmp_path / "tau.json").read_text())
     chain = {r["dataset"]: r["tau"] for r in rows if r["setting"] == "chain@4"}
     for dataset in ("gsm8k", "mt_bench"):
-        steps = [n for (method, id_), lengths in live.items() if method == "dflash@4" and id_.startswith(dataset)
-                 for n in lengths]
-        assert chain[dataset] == pytest.approx(sum(steps) / len(steps))
         per_answer = [lengths for (method, id_), lengths in live.items()
                       if method == "dflash@4" and id_.startswith(dataset)]
+        steps = [n for lengths in per_answer for n in lengths]
+        assert chain[dataset] == pytest.approx(sum(steps) / len(steps))
         row = next(r for r in rows if r["setting"] == "chain@4" and r["dataset"] == dataset)
         assert row["first_step"] == pytest.approx(sum(a[0] for a in per_answer) / len(per_answer))
         later = [n for a in per_answer for n in a[1:]]
         assert row["tau_after_first"] == pytest.approx(sum(later) / len(later))
     assert {r["setting"] for r in rows} == {"chain@4", "tree8"}
+
+
+def test_answer_confidence_scores_each_answer_token_from_its_own_prefix(world):
+    target, references = world
+    answer_confidence = runpy.run_path("benchmarks/answer_confidence.py")["answer_confidence"]
+    ids, answer = references[0]
+    chosen, entropy = answer_confidence(target, ids[0].tolist(), answer)
+    assert chosen.shape == entropy.shape == (len(answer),)
+    for k in (0, len(answer) - 1):
+        prefix = torch.cat([ids, torch.tensor([answer[:k]], dtype=torch.long)], 1)
+        with torch.no_grad():
+            probs = torch.softmax(target(prefix).logits[0, -1], -1)
+        assert chosen[k].item() == pytest.approx(probs[answer[k]].item())
+        assert chosen[k].item() == pytest.approx(probs.max().item())  # a greedy answer: its token is the top-1
+        assert entropy[k].item() == pytest.approx(-(probs * probs.log()).sum().item())
