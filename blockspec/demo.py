@@ -58,6 +58,7 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
     from blockspec.decoding.fast import compile_choice
     from blockspec.decoding.policy import AUTO, WidthPolicies
     from blockspec.decoding.sequence import GenerationConfig, resolve_block_size
+    from blockspec.models.quantized import quantization_of
 
     console = console or Console()
     rows = [_as_row(prompt, i) for i, prompt in enumerate(prompts)]
@@ -74,8 +75,11 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
 
     model = target.model
     path = "fast path" if compile_choice(model, compile)[0] else "eager forward"
+    precision = str(model.dtype).removeprefix("torch.")
+    if quantization_of(model) != "none":
+        precision += f", linear layers on {quantization_of(model)} weights"
     console.print(f"[bold]blockspec demo[/]: target [cyan]{_plain(target.name)}[/] on {model.device} "
-                  f"({str(model.dtype).removeprefix('torch.')}), blockspec's {path}\n"
+                  f"({precision}), blockspec's {path}\n"
                   f"drafter [cyan]{drafter.name}[/], {described}, greedy, up to {max_new_tokens} new tokens; "
                   "against HF generate (eager) and AR through the same loop")
     policies = WidthPolicies()  # the adaptive width's calibration carries over the prompts

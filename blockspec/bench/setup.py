@@ -35,13 +35,15 @@ def load_prompts(datasets, data_dir, num_prompts, seed) -> list[dict]:
 
 def load_methods(target_name: str, methods: str | None = None, drafts: list[str] = (), assistant: str | None = None,
                  *, device: str | None = None, dtype: str | None = None, block_size: int | str | None = None,
-                 compile: str = "off", draft_vocab_data: list[str] | None = None):
+                 compile: str = "off", draft_vocab_data: list[str] | None = None,
+                 quantize: str | None = None):
     """The target and the methods named, each drafter loaded once.
 
     ``methods``: comma-separated names (None: the default set); ``drafts``: [METHOD=]DIR values;
     ``assistant``: the small LM of the draft and hf-assisted methods; ``compile``: whether blockspec's
     methods run through the fast path (a DFlash drafter then drafts through its packed LM head);
-    ``draft_vocab_data``: the files a dflash/vK method counts its K tokens in.
+    ``draft_vocab_data``: the files a dflash/vK method counts its K tokens in; ``quantize``: the target's
+    weights ("int8": every method, the HF baselines included, runs the same int8 target).
     """
     from transformers.utils import logging as hf_logging
 
@@ -54,7 +56,7 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
     names = parse_methods(methods, drafts, assistant)
     # dflash@4 and dflash@auto share one drafter; dflash/d2 has its own (its own state and calibration).
     specs = {spec.drafter: spec for spec in map(parse_method_name, names)}
-    target = load_target(target_name, device=device, dtype=dtype)
+    target = load_target(target_name, device=device, dtype=dtype, quantize=quantize)
     compiled, _ = compile_choice(target.model, compile)
     if methods is None and compiled:  # blockspec's methods are compiled: so is HF's strongest baseline
         names.insert(names.index("hf") + 1, "hf-compiled")

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from blockspec.cli.options import COMPILE_CHOICES, block_size_arg, seed_arg
+from blockspec.cli.options import COMPILE_CHOICES, add_quantize_option, block_size_arg, seed_arg
 from blockspec.drafters.registry import DRAFT_METHODS, DRAFTED_METHODS
 from blockspec.errors import BlockspecError
 from blockspec.hub import DEFAULT_TARGET
@@ -64,6 +64,7 @@ def add_models_group(models) -> None:
                              "('on'), the eager forward ('off'), or the fast path where it pays ('auto'); the "
                              "hf-compiled baseline is HF generate with a static cache and torch.compile "
                              "(default: auto)")
+    add_quantize_option(models)
 
 
 def add_prompts_group(data) -> None:
@@ -107,7 +108,7 @@ def run_bench_command(args) -> int:
     prompts = load_prompts(args.datasets, args.data_dir, args.num_prompts, args.seed)
     target, methods = load_methods(args.target, args.methods, args.draft, args.assistant, device=args.device,
                                    dtype=args.dtype, block_size=args.block_size, compile=args.compile,
-                                   draft_vocab_data=args.draft_vocab_data)
+                                   draft_vocab_data=args.draft_vocab_data, quantize=args.quantize)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"blockspec bench: {len(prompts)} prompts x {', '.join(m.name for m in methods)} on {target.name}",
           file=sys.stderr)

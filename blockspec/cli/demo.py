@@ -62,7 +62,7 @@ def run_demo_command(args) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(f"loading the target {escape(str(args.target))} and the drafter {escape(str(draft))} ...",
                   style="dim")
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, quantize=args.quantize)
     compiled, reason = compile_choice(target.model, args.compile)
     console.print(reason, style="dim")
     drafter = load_drafter(draft, target, packed=compiled)

@@ -146,7 +146,9 @@ def load_models(args):
 
     method, draft, options = drafter_choice(args)
     hf_logging.disable_progress_bar()
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    if args.quantize != "none":
+        say(f"the target's linear layers run on {args.quantize} weights (FBGEMM); output is that target's own")
     compiled, reason = compile_choice(target.model, args.compile)
     if compiled:
         say(reason)

@@ -56,6 +56,15 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
                              "a CPU, compiled once per verify width and cached on disk), 'off' the eager forward, "
                              "'auto' the fast path where it pays (supported families; on a CPU from 50M "
                              "parameters) (default: auto)")
+    add_quantize_option(parser)
+
+
+def add_quantize_option(parser) -> None:
+    parser.add_argument("--quantize", default="none", metavar="{none,fp16}",
+                        help="fp16: the target's linear layers (LM head included) run on fp16 weights prepacked for "
+                             "FBGEMM, activations and sums in fp32: half the bytes a token on a CPU; output is that "
+                             "fp16 target's own, token for token (int8/int4 are refused: see the README) "
+                             "(default: none)")
 
 
 def block_size_arg(value: str):

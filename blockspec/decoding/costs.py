@@ -19,6 +19,7 @@ import torch
 from blockspec.clock import wall_clock
 from blockspec.decoding.forward import SequenceTarget, VerifyBlock
 from blockspec.io import write_text_atomically
+from blockspec.models.quantized import quantization_of
 
 #: Weight of the newest measurement in the running averages of T(w) and T_draft.
 EMA_WEIGHT = 0.2
@@ -124,7 +125,8 @@ def _cost_description(model, path: str) -> dict:
             "dtype": str(next(model.parameters()).dtype), "device": str(model.device),
             "hardware": _hardware_name(model.device),
             "threads": torch.get_num_threads() if model.device.type == "cpu" else None,
-            "torch": torch.__version__, "transformers": transformers.__version__, "path": path}
+            "torch": torch.__version__, "transformers": transformers.__version__, "path": path,
+            "quantize": quantization_of(model)}
 
 
 def _hardware_name(device: torch.device) -> str:

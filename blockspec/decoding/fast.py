@@ -30,6 +30,7 @@ from blockspec.decoding.static_cache import StaticKVCache, attention_mask, block
 from blockspec.decoding.verifier import TargetScores
 from blockspec.errors import BlockspecError
 from blockspec.models.packed import module_twin, packing_available
+from blockspec.models.quantized import parameter_count
 
 #: Verify widths a compiled graph exists for; a block is padded up to the next one.
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -385,7 +386,7 @@ def compile_choice(model, mode: str) -> tuple[bool, str]:
         if mode == "on":
             raise BlockspecError(f"{reason}: use --compile off")
         return False, f"{reason}; running eagerly"
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = parameter_count(model)
     if mode == "auto" and model.device.type == "cpu" and parameters < MIN_COMPILED_PARAMETERS:
         return False, (f"a target of {parameters / 1e6:.1f}M parameters runs eagerly (compiling pays from "
                        f"{MIN_COMPILED_PARAMETERS / 1e6:.0f}M on a CPU)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from blockspec.drafters.base import PositionwiseDrafter, Proposal
 from blockspec.errors import BlockspecError
@@ -110,7 +111,8 @@ class DFlashDrafter(PositionwiseDrafter):
             self.in_vocabulary[model.draft_to_target.cpu()] = True
             self.max_sequence_rows = max_sequence_rows
         if packed and packing_available(target_model):
-            self.lm_head = pack(self.lm_head)
+            if isinstance(self.lm_head, nn.Linear):  # not a quantized target's head, already prepacked
+                self.lm_head = pack(self.lm_head)
             self.model = module_twin(self.model, pack_linears=True)
         self.feature_layers = list(model.target_layer_ids)
         self.max_draft_tokens = model.block_size - 1

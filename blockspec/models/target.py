@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockspec.errors import BlockspecError
+from blockspec.models.quantized import check_quantize, quantize_target
 from blockspec.tokens import encode_prompt, has_chat_template, is_chat, stop_token_ids
 
 
@@ -96,11 +97,13 @@ def resolve_path(name_or_path: str) -> str:
 
 
 def load_target(name_or_path: str, device: str | None = None, dtype: str | torch.dtype | None = None,
-                *, role: str = "target") -> Target:
+                *, role: str = "target", quantize: str | None = None) -> Target:
     """Load a causal LM and its tokenizer from a local directory (or a hub name when online).
 
-    ``role`` names the model in error messages ("target", or "draft" for a draft model).
+    ``role`` names the model in error messages ("target", or "draft" for a draft model);
+    ``quantize``: "int8" runs the linear layers with int8 weights and activations (``models.quantized``).
     """
+    check_quantize(quantize)  # before the weights load
     path = resolve_path(str(name_or_path))
     _check_model_dir(path)
     dev = torch.device(device) if device else default_device()
@@ -112,6 +115,7 @@ def load_target(name_or_path: str, device: str | None = None, dtype: str | torch
         raise BlockspecError(f"could not load the {role} model from {path}: {error}") from error
     model.to(dev).eval()
     model.requires_grad_(False)
+    quantize_target(model, quantize)
     return Target(model=model, tokenizer=tokenizer, name=str(name_or_path))
 
 
