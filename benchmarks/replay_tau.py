@@ -38,6 +38,9 @@ def main() -> int:
                         help="drafting methods over each drafter: dflash, dflash+suffix, dflash+ngram, suffix "
                              "(copy sources remember each replayed answer, as a server remembers its outputs)")
     parser.add_argument("--target", default=None, help="target (default: the run's)")
+    parser.add_argument("--quantize", default="none", metavar="{none,fp16}",
+                        help="replay on the target with its linear layers on fp16 weights (the features the drafter "
+                             "reads come from it; the answers are the run's)")
     parser.add_argument("--data-dir", default=None,
                         help="where the run read its prompts, for runs whose records lack prompt_ids")
     parser.add_argument("--widths", nargs="*", type=int, default=[16], help="chain verify widths (none: trees only)")
@@ -66,7 +69,7 @@ def main() -> int:
 
 def run(args) -> list[dict]:
     results = json.loads(Path(args.results).read_text())
-    target = load_target(args.target or results["target"])
+    target = load_target(args.target or results["target"], quantize=args.quantize)
     answers = recorded_answers(results, target, args.data_dir)
     if args.limit:
         by_dataset = defaultdict(list)
