@@ -25,8 +25,6 @@ compute it identically and a compiled graph names its weights by key.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -34,7 +32,7 @@ from blockspec.errors import BlockspecError
 from blockspec.models.packed import content_key
 
 #: --quantize values: "none" keeps the model's own weights.
-QUANTIZE_CHOICES = ("none", "fp16", "int8")
+QUANTIZE_CHOICES = ("none", "fp16")
 #: Asked for and refused, with the reason (measured on this project's 2-core AVX2 CPU, benchmarks/README.md).
 UNAVAILABLE = {
     "int4": "int4 has no fast kernel on an AVX2 CPU in PyTorch (its int4 weight-only product ran 12-50x slower "
@@ -58,44 +56,28 @@ def _fp16_product(x: torch.Tensor, packed, bias: torch.Tensor | None, out_featur
     return out.reshape(*x.shape[:-1], out_features)
 
 
-_PRODUCTS = {"fp16": _fp16_product}
+@torch.library.custom_op("blockspec::fp16_linear", mutates_args=())
+def fp16_linear(x: torch.Tensor, key: str) -> torch.Tensor:
+    return _fp16_product(x, *_PACKED[key])
 
 
-@torch.library.custom_op("blockspec::prepacked_linear", mutates_args=())
-def prepacked_linear(x: torch.Tensor, key: str) -> torch.Tensor:
-    return _PRODUCTS[key.split(":", 1)[0]](x, *_PACKED[key])
-
-
-@prepacked_linear.register_fake
-def _prepacked_linear_shape(x: torch.Tensor, key: str) -> torch.Tensor:
+@fp16_linear.register_fake
+def _fp16_linear_shape(x: torch.Tensor, key: str) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _PACKED[key][2])
 
 
-class _PrepackedLinear(nn.Module):
-    """A linear layer whose product runs on a prepacked copy of its weight (inference only); ``weight`` gives
-    the weight the packed copy stands for, for code that reads a layer's rows (a drafter copying rows of the
-    target's LM head)."""
+class Fp16Linear(nn.Module):
+    """``nn.Linear`` with fp16 weights in FBGEMM's packed layout; activations and sums stay fp32 (inference only).
 
-    def __init__(self, linear: nn.Linear, kind: str):
+    ``weight`` gives the weight the packed copy stands for, for code that reads a layer's rows (a drafter
+    copying rows of the target's LM head).
+    """
+
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
-        self.key = f"{kind}:" + content_key(linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return prepacked_linear(x, self.key)
-        return _PRODUCTS[self.key.split(":", 1)[0]](x, *_PACKED[self.key])
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-class Fp16Linear(_PrepackedLinear):
-    """``nn.Linear`` with fp16 weights in FBGEMM's packed layout; activations and sums stay fp32."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, "fp16")
+        self.key = "fp16:" + content_key(linear)
         if self.key not in _PACKED:
             packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), None)
             _PACKED[self.key] = (packed, self.bias, self.out_features)
@@ -104,8 +86,13 @@ class Fp16Linear(_PrepackedLinear):
     def weight(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack_fp16(_PACKED[self.key][0])[0]
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return fp16_linear(x, self.key)
+        return _fp16_product(x, *_PACKED[self.key])
 
-_LAYERS = {"fp16": Fp16Linear}
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def check_quantize(mode: str | None, model=None) -> str:
@@ -138,7 +125,7 @@ def quantize_target(model: nn.Module, mode: str | None) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, _LAYERS[mode](child))
+                setattr(parent, name, Fp16Linear(child))
                 replaced += 1
     if replaced == 0:
         raise BlockspecError(f"--quantize {mode}: the target has no linear layers to quantize")
@@ -154,5 +141,5 @@ def quantization_of(model) -> str:
 def parameter_count(model) -> int:
     """The model's weights, counted as loaded: its parameters and the packed layers' weights."""
     packed = sum(module.in_features * module.out_features for module in model.modules()
-                 if isinstance(module, _PrepackedLinear))
+                 if isinstance(module, Fp16Linear))
     return sum(p.numel() for p in model.parameters()) + packed
