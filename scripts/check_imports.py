@@ -3,8 +3,8 @@
 Every import of a blockspec module counts, at the top of a file or inside a function. The layers,
 from the bottom:
 
-    errors, io, clock, sampling,    plain helpers, tokenizer conventions, the bundled prompt files
-    tokens, data
+    errors, io, clock, sampling,    plain helpers, tokenizer conventions, the bundled prompt files,
+    tokens, data, machine           what a timing depends on
     hub                             known models: install, verify, convert, cache
     models                          networks, checkpoint formats, target loading
     drafters                        the drafter protocol's implementations and the registry
@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 LAYERS = [
-    ("blockspec.errors", "blockspec.io", "blockspec.clock", "blockspec.sampling", "blockspec.tokens", "blockspec.data"),
+    ("blockspec.errors", "blockspec.io", "blockspec.clock", "blockspec.sampling", "blockspec.tokens", "blockspec.data",
+     "blockspec.machine"),
     ("blockspec.hub",),
     ("blockspec.models",),
     ("blockspec.drafters",),

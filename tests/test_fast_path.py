@@ -1,4 +1,4 @@
-"""The fast path: a static KV cache, oneDNN-packed weights, compiled forwards; lossless against the eager path."""
+"""The fast path: a static KV cache, linear layers on measured kernels, compiled forwards; lossless against the eager path."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from blockspec.decoding.static_cache import StaticKVCache, block_visibility, cap
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
-from blockspec.models.packed import module_twin
+from blockspec.models.packed import KERNEL_ENV, KernelPlan, linear_layers, module_twin
 from blockspec.sampling import SamplingConfig
 from helpers import (
     MAX_NEW,
@@ -115,16 +115,18 @@ def test_a_batch_row_writes_only_its_own_columns():
 
 def test_the_packed_twin_shares_the_model_and_leaves_it_as_it_was():
     model = make_causal_lm("llama", vocab_size=320)
-    twin = module_twin(model, pack_linears=True)
-    assert type(model.lm_head) is torch.nn.Linear and type(twin.lm_head).__name__ == "PackedLinear"
+    twin = module_twin(model, plan=KernelPlan.uniform("onednn", linear_layers(model)))
+    assert type(model.lm_head) is torch.nn.Linear and type(twin.lm_head).__name__ == "PlannedLinear"
     assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight
     ids = prompts(320, count=1)[0]
     with torch.inference_mode():
         torch.testing.assert_close(twin(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["aten", "onednn"])
 @pytest.mark.parametrize("block_size,tree_budget", [(1, None), (4, None), (8, None), (8, 12)])
-def test_fast_path_greedy_equals_hf_generate(world, block_size, tree_budget):
+def test_fast_path_greedy_equals_hf_generate(world, block_size, tree_budget, kernel, monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV, kernel)
     target, references = world
     drafter = DFlashDrafter(make_dflash(target, block_size=8), target, packed=True)
     fast = FastForward(target, drafter.feature_layers, compile=False)

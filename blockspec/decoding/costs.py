@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 from blockspec.clock import wall_clock
 from blockspec.decoding.forward import SequenceTarget, VerifyBlock
 from blockspec.io import write_text_atomically
+from blockspec.machine import hardware_name
 from blockspec.models.quantized import quantization_of
 
 #: Weight of the newest measurement in the running averages of T(w) and T_draft.
@@ -123,23 +123,10 @@ def _cost_description(model, path: str) -> dict:
     return {"model": str(getattr(config, "_name_or_path", "")), "type": config.model_type,
             "layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size,
             "dtype": str(next(model.parameters()).dtype), "device": str(model.device),
-            "hardware": _hardware_name(model.device),
+            "hardware": hardware_name(model.device),
             "threads": torch.get_num_threads() if model.device.type == "cpu" else None,
             "torch": torch.__version__, "transformers": transformers.__version__, "path": path,
             "quantize": quantization_of(model)}
-
-
-def _hardware_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cost_key(model, path: str) -> str:

@@ -1,11 +1,11 @@
-"""The fast path: the target's forward over a static KV cache, with oneDNN-packed weights on a CPU,
-optionally compiled once per verify width bucket.
+"""The fast path: the target's forward over a static KV cache, on a CPU with each linear layer on the
+kernel measured fastest for it (``blockspec.models.packed``), optionally compiled once per verify width bucket.
 
 The forward runs the model's own decoder layers (Hugging Face modules) in a loop of ours, which
 writes keys/values at explicit columns of the ``StaticKVCache`` and returns only the hidden
-states the drafter reads. On a CPU its linear layers run on oneDNN-packed copies of their
-weights (``blockspec.models.packed``), about twice as fast as MKL for the 2..32 rows of a
-verify. Compiled (``compile=True``), a verify block is padded up to its bucket (1, 2, 4, 8, 16,
+states the drafter reads. On a CPU each linear layer's product runs on MKL or on a oneDNN-packed
+copy of its weight, whichever was measured faster on this machine for its shape and row count.
+Compiled (``compile=True``), a verify block is padded up to its bucket (1, 2, 4, 8, 16,
 32, 64 tokens), so one graph serves every width up to it, and the cache's capacity comes from
 a few powers of two, so the context growing never compiles again; compiled artefacts are kept
 on disk (inductor's caches under ``$BLOCKSPEC_HOME/inductor``), so only the first run on a
@@ -29,7 +29,7 @@ from blockspec.decoding.sequence import COMPILE_CHOICES
 from blockspec.decoding.static_cache import StaticKVCache, attention_mask, block_visibility, capacity_for
 from blockspec.decoding.verifier import TargetScores
 from blockspec.errors import BlockspecError
-from blockspec.models.packed import module_twin, packing_available
+from blockspec.models.packed import linear_layers, module_twin, packing_available, plan_kernels
 from blockspec.models.quantized import parameter_count
 
 #: Verify widths a compiled graph exists for; a block is padded up to the next one.
@@ -103,10 +103,11 @@ class FastForward:
         if reason is not None:
             raise BlockspecError(f"{reason}: use --compile off")
         self.model = model
-        #: The network the loop runs: a twin of the model sharing its weights (on a CPU, its linear layers'
-        #: weights packed for oneDNN).
-        self.packed = packing_available(model)
-        self.network = module_twin(model, pack_linears=self.packed)
+        #: On a CPU, the kernel of each linear layer's product at each row count, as measured on this machine.
+        self.kernels = plan_kernels(linear_layers(model), progress=progress) if packing_available(model) else None
+        self.packed = self.kernels is not None and self.kernels.packs_any
+        #: The network the loop runs: a twin of the model sharing its weights, on the planned kernels.
+        self.network = module_twin(model, plan=self.kernels)
         self.feature_layers = tuple(feature_layers or ())
         self.compiled = compile
         self.progress = progress
@@ -121,7 +122,7 @@ class FastForward:
     @property
     def path(self) -> str:
         """The forward path's name in the cost cache."""
-        return "static" + ("-packed" if self.packed else "") + ("-compiled" if self.compiled else "")
+        return "static" + (f"-{self.kernels.tag}" if self.packed else "") + ("-compiled" if self.compiled else "")
 
     def cost_model(self, model, widest: int) -> CostModel:
         """T(w) through this path (measuring it compiles every bucket up to ``widest`` on a first run)."""

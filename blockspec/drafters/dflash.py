@@ -17,7 +17,7 @@ from torch import nn
 from blockspec.drafters.base import PositionwiseDrafter, Proposal
 from blockspec.errors import BlockspecError
 from blockspec.models.dflash import ContextCache, DFlashDraftModel, check_fits_target, load_dflash_model
-from blockspec.models.packed import module_twin, pack, packing_available
+from blockspec.models.packed import linear_layers, module_twin, packing_available, plan_kernels, planned
 from blockspec.models.target import position_ids
 from blockspec.sampling import draft_confidence, sample_from, sampling_probs
 
@@ -98,7 +98,7 @@ class DFlashDrafter(PositionwiseDrafter):
         self.embed_tokens = target_model.get_input_embeddings()
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         #: The LM head a pass spends most of its time in: the draft's own over its K-token vocabulary, else the
-        #: target's. With ``packed`` (a CPU), it and the drafter's linear layers run on oneDNN-packed weights.
+        #: target's. With ``packed`` (a CPU), it and the drafter's linear layers run on the kernels measured fastest here.
         self.lm_head = model.lm_head if model.compressed else target_model.get_output_embeddings()
         #: Target id of each row of the head (None: the head is the target's, row = id).
         self.draft_to_target = model.draft_to_target.to(param.device) if model.compressed else None
@@ -111,9 +111,10 @@ class DFlashDrafter(PositionwiseDrafter):
             self.in_vocabulary[model.draft_to_target.cpu()] = True
             self.max_sequence_rows = max_sequence_rows
         if packed and packing_available(target_model):
-            if isinstance(self.lm_head, nn.Linear):  # not a quantized target's head, already prepacked
-                self.lm_head = pack(self.lm_head)
-            self.model = module_twin(self.model, pack_linears=True)
+            heads = [self.lm_head] if isinstance(self.lm_head, nn.Linear) else []  # a quantized head is prepacked
+            plan = plan_kernels(heads + linear_layers(self.model))
+            self.lm_head = planned(self.lm_head, plan) if heads else self.lm_head
+            self.model = module_twin(self.model, plan=plan)
         self.feature_layers = list(model.target_layer_ids)
         self.max_draft_tokens = model.block_size - 1
         self.default_block_size = model.block_size
