@@ -26,7 +26,13 @@ import torch
 from blockspec.decoding.costs import CostModel, cost_model_for, measure_costs
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.sequence import COMPILE_CHOICES
-from blockspec.decoding.static_cache import StaticKVCache, attention_mask, block_visibility, capacity_for
+from blockspec.decoding.static_cache import (
+    StaticKVCache,
+    attend_through_static_cache,
+    attention_mask,
+    block_visibility,
+    capacity_for,
+)
 from blockspec.decoding.verifier import TargetScores
 from blockspec.errors import BlockspecError
 from blockspec.models.packed import linear_layers, module_twin, packing_available, plan_kernels
@@ -108,6 +114,7 @@ class FastForward:
         self.packed = self.kernels is not None and self.kernels.packs_any
         #: The network the loop runs: a twin of the model sharing its weights, on the planned kernels.
         self.network = module_twin(model, plan=self.kernels)
+        attend_through_static_cache(self.network)
         self.feature_layers = tuple(feature_layers or ())
         self.compiled = compile
         self.progress = progress
@@ -172,14 +179,10 @@ class FastForward:
         length = input_ids.shape[1]
         device = self.model.device
         cache.write_columns = torch.arange(length, device=device).unsqueeze(0)
-        cache.view = length
         mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
         positions = torch.arange(length, device=device).unsqueeze(0)
-        try:
-            logits, features = layer_forward(self.network, input_ids, positions, mask, _RowView(cache, row),
-                                             self.feature_layers, last_only=True)
-        finally:
-            cache.view = cache.capacity
+        logits, features = layer_forward(self.network, input_ids, positions, mask, _RowView(cache, row),
+                                         self.feature_layers, last_only=True)
         cache.lengths[row] = length
         return logits, features
 
@@ -195,7 +198,11 @@ class FastForward:
             ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         columns = torch.tensor(starts).unsqueeze(1) + torch.arange(width).unsqueeze(0)
         positions = self._positions(visibilities, starts, width)
-        mask = attention_mask(cache.lengths, visibilities, width, cache.capacity, device)
+        # The attention reads the columns in use; on a GPU the whole capacity, so each graph keeps its shapes.
+        read = cache.capacity if self.model.device.type == "cuda" else max(cache.lengths) + width
+        mask = attention_mask(cache.lengths, visibilities, width, read, device)
+        if self.compiled and read < cache.capacity:  # one graph for every length (the whole capacity is another)
+            torch._dynamo.mark_dynamic(mask, 3, min=2, max=cache.capacity - 1)
         cache.write_columns = columns.to(device)
         return self._run(ids.to(device), positions.to(device), mask, cache)
 
@@ -238,8 +245,7 @@ class _RowView:
         columns = self.cache.write_columns[0]
         keys[self.row, :, columns] = key[0]
         values[self.row, :, columns] = value[0]
-        view = self.cache.view
-        return keys[self.row:self.row + 1, :, :view], values[self.row:self.row + 1, :, :view]
+        return keys[self.row:self.row + 1], values[self.row:self.row + 1]
 
 
 class StaticTarget:

@@ -8,12 +8,22 @@ lengths. The attention mask is built here too: every query sees its row's kept c
 within the block being verified, what the block's own structure allows (a chain: the rows
 before it; a tree: its ancestors).
 
-``update`` is what Hugging Face attention layers call, so their own modules run over it.
+``update`` is what Hugging Face attention layers call, so their own modules run over it; their
+attention then runs through ``static_cache_attention``, which reads only the columns the mask
+covers (the rows' kept lengths plus the block, not the whole capacity) and lets SDPA share each
+key/value head among its query heads instead of copying it per head (``repeat_kv``).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+#: The name the fast path's attention is registered under in transformers' ``AttentionInterface``.
+STATIC_ATTENTION = "blockspec_static_cache"
 
 #: Capacities are rounded up to a power of two from here, so a compiled forward sees few shapes.
 MIN_CAPACITY = 512
@@ -39,8 +49,6 @@ class StaticKVCache:
         self.lengths = [0] * batch
         #: Columns [B, W] the running forward writes its entries to (set before each forward).
         self.write_columns: torch.LongTensor | None = None
-        #: Columns the attention reads: the whole capacity, or fewer for a prefill run eagerly.
-        self.view = capacity
 
     @property
     def capacity(self) -> int:
@@ -51,7 +59,7 @@ class StaticKVCache:
         return self.keys[0].shape[0]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, **kwargs):
-        """Write this forward's keys/values [B, H, W, D] at ``write_columns``; the layer's whole (viewed) cache."""
+        """Write this forward's keys/values [B, H, W, D] at ``write_columns``; the layer's whole cache."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if keys.shape[0] == 1:
             keys.index_copy_(2, self.write_columns[0], key)
@@ -60,7 +68,7 @@ class StaticKVCache:
             rows = torch.arange(keys.shape[0], device=keys.device).unsqueeze(1).expand_as(self.write_columns)
             keys[rows, :, self.write_columns] = key.transpose(1, 2)
             values[rows, :, self.write_columns] = value.transpose(1, 2)
-        return keys[:, :, :self.view], values[:, :, :self.view]
+        return keys, values
 
     def keep(self, row: int, kept_rows: list[int]) -> None:
         """After a forward wrote a block at the row's length: keep these block rows, in order, drop the rest."""
@@ -79,7 +87,7 @@ class StaticKVCache:
         view.keys = [keys[:rows] for keys in self.keys]
         view.values = [values[:rows] for values in self.values]
         view.lengths = self.lengths[:rows]
-        view.write_columns, view.view = None, self.capacity
+        view.write_columns = None
         return view
 
     def move_row(self, source: int, target: int) -> None:
@@ -123,11 +131,12 @@ def block_visibility(width: int, parents: list[int] | None = None) -> torch.Tens
     return visible
 
 
-def attention_mask(lengths: list[int], visibilities: list[torch.Tensor], width: int, capacity: int,
+def attention_mask(lengths: list[int], visibilities: list[torch.Tensor], width: int, columns: int,
                    device) -> torch.Tensor:
-    """[B, 1, width, capacity] bool: row b's queries see its kept columns and its block as ``visibilities[b]``
-    allows; padding queries (past a row's block) see their own column only, so they stay finite."""
-    mask = torch.zeros(len(lengths), 1, width, capacity, dtype=torch.bool)
+    """[B, 1, width, columns] bool: row b's queries see its kept columns and its block as ``visibilities[b]``
+    allows; padding queries (past a row's block) see their own column only, so they stay finite. The attention
+    reads the cache's first ``columns`` columns (at least every row's length plus ``width``)."""
+    mask = torch.zeros(len(lengths), 1, width, columns, dtype=torch.bool)
     for row, (length, visible) in enumerate(zip(lengths, visibilities)):
         used = visible.shape[0]
         mask[row, 0, :used, :length] = True
@@ -135,3 +144,25 @@ def attention_mask(lengths: list[int], visibilities: list[torch.Tensor], width: 
         padding = torch.arange(used, width)
         mask[row, 0, padding, length + padding] = True
     return mask.to(device)
+
+
+def static_cache_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
+    """Attention over a ``StaticKVCache``: only the first ``attention_mask.shape[-1]`` columns are read, and SDPA
+    shares each key/value head among its query heads. Returns [B, W, H, D] and no weights, as HF's functions do."""
+    columns = attention_mask.shape[-1]
+    key, value = key[:, :, :columns], value[:, :, :columns]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(STATIC_ATTENTION, static_cache_attention)
+
+
+def attend_through_static_cache(network) -> None:
+    """Make ``network``'s attention layers (a twin's copies, which share the original's config) use
+    ``static_cache_attention``: each gets a copy of the config naming it, so the original model is untouched."""
+    config = copy.copy(network.config)
+    config._attn_implementation_internal = STATIC_ATTENTION
+    for layer in network.model.layers:
+        layer.self_attn.config = config
