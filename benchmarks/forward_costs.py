@@ -1,7 +1,8 @@
 """T(w): the target's verify forward time at each width, through each forward path, side by side.
 
 Paths: "dynamic" (the eager forward over a DynamicCache, `--compile off`), "static" (the fast
-path's loop over a static cache, oneDNN-packed weights on a CPU), and "compiled" (the same,
+path's loop over a static cache, each linear layer on the kernel measured fastest here for its
+shape and row count, the attention reading only the columns in use), and "compiled" (the same,
 compiled per width bucket). The widths are timed round-robin over the paths in one process
 (medians of --repeats forwards after a context of --context tokens), so a drift of the machine
 hits every path alike. Compiling is timed separately (first call per bucket).
@@ -90,6 +91,9 @@ def main() -> None:
         ratio = figures[path][widths[-1]] / figures[path][widths[0]]
         first = sum(compile_seconds[path].values())
         print(f"{path}: T({widths[-1]})/T({widths[0]}) = {ratio:.2f}; first calls {first:.1f} s")
+    fast = next((t.fast for t in targets.values() if isinstance(t, StaticTarget)), None)
+    if fast is not None and fast.kernels is not None:
+        print(f"linear kernels: {fast.kernels.describe()}")
     print(f"peak RSS {psutil.Process().memory_info().rss / 2**20:.0f} MiB (now)")
     if args.out:
         Path(args.out).write_text(json.dumps({"target": target.name, "context": args.context, "seconds": figures,

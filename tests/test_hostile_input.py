@@ -2,6 +2,7 @@
 server) or the right behaviour, never a traceback, a 5xx or someone else's failure."""
 
 import json
+import shutil
 
 import httpx
 import pytest
@@ -464,3 +465,50 @@ def test_a_library_error_over_several_lines_is_one_line(capsys):
 
     assert fail("could not load: no network.\nCheck your connection.", 2) == 2
     assert capsys.readouterr().err == "blockspec: error: could not load: no network. Check your connection.\n"
+
+
+# -- draft configs that cannot describe a network, and a draft given as the target -----------------------------
+
+def broken_draft(tiny_draft_dir, tmp_path, change) -> str:
+    directory = tmp_path / "broken-draft"
+    shutil.copytree(tiny_draft_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    change(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def set_block_size(value):
+    return lambda config: config["dflash_config"].update(block_size=value)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.update(num_hidden_layers=-1), "num_hidden_layers must be a whole number >= 1, got -1"),
+    (lambda c: c.update(num_hidden_layers=0), "num_hidden_layers must be a whole number >= 1, got 0"),
+    (lambda c: c.update(hidden_size="abc"), "hidden_size must be a whole number >= 1, got 'abc'"),
+    (lambda c: c.update(num_attention_heads=2.5), "num_attention_heads must be a whole number >= 1, got 2.5"),
+    (lambda c: c.update(intermediate_size=True), "intermediate_size must be a whole number >= 1, got True"),
+    (set_block_size(0), "dflash_config.block_size must be a whole number >= 2"),
+    (set_block_size(-3), "dflash_config.block_size must be a whole number >= 2"),
+    (set_block_size(1), "dflash_config.block_size must be a whole number >= 2"),
+    (lambda c: c.update(rms_norm_eps="tiny"), "config.json is not a valid config"),
+])
+def test_a_draft_config_that_describes_no_network_is_refused_in_one_line(tiny_target_dir, tiny_draft_dir, tmp_path,
+                                                                         capsys, change, message):
+    draft = broken_draft(tiny_draft_dir, tmp_path, change)
+    assert message in cli_error(capsys, "generate", "--target", str(tiny_target_dir), "--draft", draft,
+                                "--max-new-tokens", "2", "hi")
+
+
+def test_a_draft_given_as_the_target_is_named_as_a_draft(tiny_draft_dir, capsys):
+    err = cli_error(capsys, "generate", "--target", str(tiny_draft_dir), "--max-new-tokens", "2", "hi")
+    assert "is a DFlash draft checkpoint, not a model to decode: pass it as --draft" in err
+
+
+def test_train_draft_refuses_a_draft_as_its_target_and_writes_nothing(tiny_target_dir, tiny_draft_dir, tmp_path,
+                                                                      capsys):
+    out = tmp_path / "out"
+    args = train_draft_args(tiny_target_dir, tmp_path, "--out", str(out))
+    args[args.index("--target") + 1] = str(tiny_draft_dir)
+    assert "is a DFlash draft checkpoint" in cli_error(capsys, *args)
+    assert not out.exists()

@@ -142,10 +142,8 @@ class FastForward:
 
     def warm_up(self, widest: int, length: int) -> None:
         """Compile (or read from the disk cache) every width bucket up to ``widest`` for sequences of up to
-        ``length`` positions, at every cache capacity such sequences take, so that no decoding step pays
-        for it. (A shorter sequence runs in a smaller cache rather than in the largest compiled one: the
-        attention reads the whole capacity, and at width 1 a 1024-column cache costs 13% more a step than
-        a 512-column one on a CPU, a 2048-column one 33%.)"""
+        ``length`` positions, at every cache capacity such sequences take (a sequence's cache is allocated for
+        its longest length), so that no decoding step pays for it."""
         if not self.compiled:
             return
         vocab = self.model.config.vocab_size

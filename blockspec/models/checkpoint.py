@@ -6,6 +6,7 @@ import json
 import warnings
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from blockspec.errors import CheckpointError
@@ -44,11 +45,44 @@ def require_keys(config: dict, keys: list[str], path: str | Path) -> None:
         raise CheckpointError(f"{Path(path) / 'config.json'} lacks {', '.join(missing)}")
 
 
+#: Sizes a network is built from: each must be a whole number >= 1 where a config sets it.
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size", "head_dim")
+#: What a config's own validation raises (transformers' strict dataclasses), reported as the file's fault.
+CONFIG_ERRORS = (StrictDataclassError, ValueError, TypeError)
+
+
+#: The architectures of drafter checkpoints (ours and the layouts blockspec loads), by what they are.
+DRAFT_ARCHITECTURES = {"DFlashDraftModel": "a DFlash draft", "LlamaForCausalLMEagle3": "an EAGLE-3 draft",
+                       "MTPDraftModel": "an MTP draft"}
+#: Config keys only drafter checkpoints carry.
+DRAFT_CONFIG_KEYS = {"dflash_config": "a DFlash draft", "eagle_config": "an EAGLE draft",
+                     "speculators_config": "a speculators draft"}
+
+
+def draft_kind(config: dict) -> str | None:
+    """What kind of drafter checkpoint a config.json describes ("a DFlash draft"), None for anything else."""
+    for architecture in config.get("architectures") or []:
+        if architecture in DRAFT_ARCHITECTURES:
+            return DRAFT_ARCHITECTURES[architecture]
+    return next((kind for key, kind in DRAFT_CONFIG_KEYS.items() if key in config), None)
+
+
+def require_sizes(config: dict, path: str | Path, keys: tuple[str, ...] = SIZE_KEYS) -> None:
+    """Every size of ``keys`` the config sets is a whole number >= 1 (a network of -1 layers is a typo, not a model)."""
+    for key in keys:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{Path(path) / 'config.json'}: {key} must be a whole number >= 1, got {value!r}")
+
+
 def load_pretrained_strict(model_class, directory: str | Path, **kwargs):
     """``from_pretrained`` that refuses missing weights instead of initialising them randomly."""
     kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below by name, not raised from deep inside
     try:
         model, info = model_class.from_pretrained(str(directory), output_loading_info=True, **kwargs)
+    except StrictDataclassError as error:
+        raise CheckpointError(f"{Path(directory) / 'config.json'} is not a valid config: {error}") from error
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:
         raise CheckpointError(f"could not read the weights in {directory}: {error}") from error
     if info.get("missing_keys"):

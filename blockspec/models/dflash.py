@@ -35,7 +35,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.io import save_atomically
-from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_weights
+from blockspec.models.checkpoint import (
+    CONFIG_ERRORS,
+    load_pretrained_strict,
+    read_config,
+    require_keys,
+    require_sizes,
+    require_weights,
+)
 from blockspec.models.draft_vocab import DraftVocabulary, check_vocabulary
 
 DEFAULT_BLOCK_SIZE = 16
@@ -479,7 +486,9 @@ def load_dflash_model(directory) -> DFlashDraftModel:
             "expected ['DFlashDraftModel']"
         )
     require_keys(raw, ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"], directory)
+    require_sizes(raw, directory)
     nested = raw.get("dflash_config") or {}
+    _check_block_size(nested.get("block_size", raw.get("block_size")), directory)
     if nested.get("mask_token_id", raw.get("mask_token_id")) is None:
         raise CheckpointError(f"{directory}/config.json lacks dflash_config.mask_token_id")
     _check_target_layers(raw, nested, directory)
@@ -493,6 +502,13 @@ def load_dflash_model(directory) -> DFlashDraftModel:
         model.check_draft_vocabulary(directory)
     model.mask_embedding = read_mask_embedding(directory, model.mask_token_id, model.config.hidden_size)
     return model
+
+
+def _check_block_size(block_size, directory) -> None:
+    """A block holds the last token and at least one masked position: a smaller one would never draft."""
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2):
+        raise CheckpointError(f"{directory}/config.json: dflash_config.block_size must be a whole number >= 2 (the "
+                              f"last token and the positions drafted after it), got {block_size!r}")
 
 
 def _check_target_layers(raw: dict, nested: dict, directory) -> None:
@@ -554,7 +570,10 @@ def weight_names(directory) -> list[str]:
 
 def _draft_config(directory, raw: dict, nested: dict) -> Qwen3Config:
     """The config the model is built from, with what Qwen3Config would otherwise lose or default differently."""
-    config = Qwen3Config.from_pretrained(str(directory))
+    try:
+        config = Qwen3Config.from_pretrained(str(directory))
+    except CONFIG_ERRORS as error:
+        raise CheckpointError(f"{directory}/config.json is not a valid config: {error}") from error
     sliding = SLIDING in (raw.get("layer_types") or []) or nested.get("use_swa") or raw.get("use_sliding_window")
     if sliding and not nested.get("swa_window_size") and raw.get("sliding_window"):
         # Qwen3Config drops sliding_window unless use_sliding_window is set; the draft's layer types still slide

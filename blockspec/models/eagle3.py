@@ -20,7 +20,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRotaryEmbedding
 
 from blockspec.errors import CheckpointError
-from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_weights
+from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_sizes, require_weights
 from blockspec.models.recursive_head import CachedAttention, RecursiveDraftModel, make_llama_layer_config, mlp, rms_norm
 from blockspec.models.target import copy_final_norm
 
@@ -125,6 +125,7 @@ def load_eagle3_model(directory) -> Eagle3DraftModel:
         raise CheckpointError(f"{directory} is not an EAGLE-3 draft: config.json architectures is {architectures}, "
                               f"expected ['{ARCHITECTURE}']")
     require_keys(config, ["hidden_size", "num_attention_heads", "vocab_size"], directory)
+    require_sizes(config, directory)
     require_weights(directory)
     model = load_pretrained_strict(Eagle3DraftModel, directory, dtype=torch.float32)
     model.check_draft_vocabulary(directory)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockspec.errors import BlockspecError
+from blockspec.models.checkpoint import CONFIG_ERRORS, draft_kind
 from blockspec.models.quantized import check_quantize, quantize_target
 from blockspec.tokens import encode_prompt, has_chat_template, is_chat, stop_token_ids
 
@@ -101,7 +102,7 @@ def load_target(name_or_path: str, device: str | None = None, dtype: str | torch
     """Load a causal LM and its tokenizer from a local directory (or a hub name when online).
 
     ``role`` names the model in error messages ("target", or "draft" for a draft model);
-    ``quantize``: "int8" runs the linear layers with int8 weights and activations (``models.quantized``).
+    ``quantize``: "fp16" runs the linear layers on fp16 weights (``models.quantized``).
     """
     check_quantize(quantize)  # before the weights load
     path = resolve_path(str(name_or_path))
@@ -111,7 +112,7 @@ def load_target(name_or_path: str, device: str | None = None, dtype: str | torch
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RuntimeError, *CONFIG_ERRORS) as error:
         raise BlockspecError(f"could not load the {role} model from {path}: {error}") from error
     model.to(dev).eval()
     model.requires_grad_(False)
@@ -140,9 +141,13 @@ def _check_model_dir(path: str) -> None:
     if not config.is_file():
         raise BlockspecError(f"{directory} is not a model directory: config.json is missing")
     try:
-        json.loads(config.read_text())
+        settings = json.loads(config.read_text())
     except json.JSONDecodeError as error:
         raise BlockspecError(f"{config} is not valid JSON ({error}): re-save the model") from error
+    draft = draft_kind(settings) if isinstance(settings, dict) else None
+    if draft is not None:
+        raise BlockspecError(f"{directory} is {draft} checkpoint, not a model to decode: pass it as --draft, and give "
+                             "the model it drafts for as --target")
 
 
 def _names_a_directory(path: str) -> bool:

@@ -102,8 +102,8 @@ def train_draft(target_name: str, data: DataConfig, config: TrainConfig, *, resu
 
     init_distributed_from_env()
     rank, _ = rank_and_world_size()
+    target = load_target(target_name, device=device, dtype="float32")  # first: a bad --target leaves no --out behind
     out = make_output_dir(config.out)
-    target = load_target(target_name, device=device, dtype="float32")
     samples, eval_prompts = prepare_samples(target, data, out, config.max_length, rank)
     _say(rank, f"{len(samples)} training sequences, {sum(s.num_response_tokens for s in samples)} response tokens")
     trainer = Trainer(config, target, samples, eval_prompts, resume=resume)
