@@ -11,6 +11,7 @@ _EXPORTS = {
     "GenerationConfig": "blockspec.decoding.sequence",
     "GenerationStats": "blockspec.decoding.sequence",
     "speculative_generate": "blockspec.decoding.generate",
+    "hf_custom_generate": "blockspec.decoding.hf_generate",
     "GenerationResult": "blockspec.decoding.text",
     "generate_text": "blockspec.decoding.text",
     "stream_text": "blockspec.decoding.text",
