@@ -1,6 +1,6 @@
 """Seconds per DFlash training step with the whole LM head and with a reduced draft vocabulary, side by side.
 
-Runs the shipped drafter's recipe (README, "The shipped drafter") for a few steps per setting on the same
+Runs the shipped drafter's recipe (docs/shipped-drafters.md) for a few steps per setting on the same
 sequences, in one process, after one untimed pass that puts the target's features in the on-disk cache (so
 no setting pays for computing them), and prints seconds per step and the ratio to the whole head.
 

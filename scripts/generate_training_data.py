@@ -1,6 +1,6 @@
 """Generate SmolLM2-135M-Instruct's own responses to the training prompts (resumable).
 
-This is the data stage of the shipped drafter (README, "The shipped drafter"). By default:
+This is the data stage of the shipped drafter (docs/shipped-drafters.md). By default:
 900 gsm8k train, 450 Code Alpaca and 150 MBPP train-split prompts (never a test split),
 greedy, 256 new tokens, fp32, cached to runs/smollm2-data/responses.jsonl. Stop it at any
 time; run it again to continue. `blockspec train-draft --responses cache` then trains on

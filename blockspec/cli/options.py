@@ -63,7 +63,7 @@ def add_quantize_option(parser) -> None:
     parser.add_argument("--quantize", default="none", metavar="{none,fp16}",
                         help="fp16: the target's linear layers (LM head included) run on fp16 weights prepacked for "
                              "FBGEMM, activations and sums in fp32: half the bytes a token on a CPU; output is that "
-                             "fp16 target's own, token for token (int8/int4 are refused: see the README) "
+                             "fp16 target's own, token for token (int8/int4 are refused: see docs/fast-path.md) "
                              "(default: none)")
 
 
