@@ -512,3 +512,39 @@ def test_train_draft_refuses_a_draft_as_its_target_and_writes_nothing(tiny_targe
     args[args.index("--target") + 1] = str(tiny_draft_dir)
     assert "is a DFlash draft checkpoint" in cli_error(capsys, *args)
     assert not out.exists()
+
+
+# -- request bodies over the size limit -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_limit(tiny_target_dir):
+    app = create_app(load_served_target(tiny_target_dir), max_request_bytes=2000)
+    with running_server(app) as url:
+        yield url
+
+
+def test_a_body_over_the_limit_is_a_413_by_its_length(small_limit):
+    body = {"model": "x", "prompt": "word " * 1000}
+    error = openai_error(post(small_limit, "completions", body), 413)
+    assert error["code"] == "request_too_large" and "2000 bytes" in error["message"]
+    metrics = httpx.get(f"{small_limit}/metrics").text
+    assert 'blockspec_requests_total{endpoint="/v1/completions",status="413"} 1.0' in metrics
+
+
+def test_a_chunked_body_over_the_limit_is_a_413_as_it_arrives(small_limit):
+    def chunks():
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(50):
+            yield b"word " * 20
+        yield b'"}'
+
+    response = httpx.post(f"{small_limit}/v1/completions", content=chunks(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert "content-length" not in response.request.headers
+    assert openai_error(response, 413)["code"] == "request_too_large"
+
+
+def test_a_body_under_the_limit_is_answered(small_limit):
+    target_name = httpx.get(f"{small_limit}/v1/models").json()["data"][0]["id"]
+    body = {"model": target_name, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+    assert post(small_limit, "completions", body).status_code == 200

@@ -208,11 +208,27 @@ def test_a_client_giving_up_on_a_non_streamed_request_frees_its_row(served, monk
     cancel = served.engine.engine.cancel
     monkeypatch.setattr(served.engine.engine, "cancel", lambda row: (cancelled.append(row), cancel(row)))
     body = {"model": served.model, "prompt": "Tell me everything.", "max_tokens": 480, "temperature": 0}
+    before = completion_counts(served)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.4))
     wait_until_idle(served)
     assert [row.stats.finish_reason for row in cancelled] == ["cancelled"]
     assert len(cancelled[0].token_ids) < 480
+    deadline = time.monotonic() + 10
+    while completion_counts(served)["disconnected"] == before["disconnected"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = completion_counts(served)
+    assert after["disconnected"] == before["disconnected"] + 1 and after["200"] == before["200"]
+
+
+def completion_counts(served) -> dict[str, float]:
+    """/metrics' count of /v1/completions answers by status."""
+    text = httpx.get(f"{served.url}/metrics").text
+    counts = {"200": 0.0, "disconnected": 0.0}
+    for status in counts:
+        line = f'blockspec_requests_total{{endpoint="/v1/completions",status="{status}"}} '
+        counts[status] = next((float(row[len(line):]) for row in text.splitlines() if row.startswith(line)), 0.0)
+    return counts
 
 
 # -- bad requests ------------------------------------------------------------------------------------

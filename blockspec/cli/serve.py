@@ -36,6 +36,8 @@ def add_serve_command(commands) -> None:
                              "each a tenant whose answers only its own requests' suffix drafts copy (default: "
                              f"${API_KEY_VARIABLE} if set, several keys separated by commas; the variable keeps "
                              "the keys out of the process list)")
+    parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                        help="request bodies larger than this are answered 413 (default 8 MiB)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(run=run_serve)
 
@@ -48,6 +50,8 @@ def run_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise BlockspecError(f"--port must be 1..65535, got {args.port}")
+    if args.max_request_bytes < 1:
+        raise BlockspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     api_keys = api_keys_of(args)
     decoding = decoding_options(args)
     GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
@@ -59,6 +63,7 @@ def run_serve(args) -> int:
 
         warm_up_fast_path(target.model, drafter, GenerationConfig(**decoding.config_fields()), 256)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                     max_request_bytes=args.max_request_bytes,
                      api_keys=api_keys, decoding=decoding)
     how = "one request at a time" if sequential else f"batches of up to {args.max_batch_size}"
     print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, {how}) at "

@@ -26,7 +26,7 @@ from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.auth import APIKeyGuard, api_key_list
 from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
-from blockspec.serve.limits import check_verify_size, usable_sampling
+from blockspec.serve.limits import MAX_REQUEST_BYTES, BodySizeLimit, check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
 from blockspec.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request
 
@@ -37,16 +37,20 @@ _DEFAULT_CHAT_TOKENS = 4096
 
 
 def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
-               api_keys: str | Sequence[str] | None = None, decoding: DecodingOptions | None = None) -> FastAPI:
+               api_keys: str | Sequence[str] | None = None, decoding: DecodingOptions | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving ``target`` under its name; ``api_keys`` (one or several) turn on Bearer
     authentication of /v1. Each key is a tenant of its own: a drafter that copies earlier answers
     (suffix) copies only from answers given under the same key.
 
     ``decoding`` sets the verify width and token tree of every request; with the adaptive width,
-    or a batch of one, requests are decoded one at a time through the ``generate`` loop.
+    or a batch of one, requests are decoded one at a time through the ``generate`` loop. A request body
+    over ``max_request_bytes`` is answered 413 without being read further.
     """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
+    if max_request_bytes < 1:
+        raise BlockspecError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     api_keys = api_key_list(api_keys)
     decoding = decoding or DecodingOptions()
     check_decoding(target.model, drafter, decoding)
@@ -68,8 +72,9 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     app.state.target = target
     app.state.created = int(time.time())
     # The last added runs first: every answer is counted, a key is checked before the body is read,
-    # and an unexpected error still answers in OpenAI's format.
+    # a body too large is refused while it arrives, and an unexpected error still answers in OpenAI's format.
     app.add_middleware(UnexpectedErrors)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_keys:
         app.add_middleware(APIKeyGuard, api_keys=api_keys)
     app.add_middleware(RequestCounter, metrics=metrics)
@@ -108,7 +113,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         if error.status_code == 400:  # FastAPI's only own 400: a body that does not parse
             return bad_request("the request body could not be read as JSON: send a UTF-8 JSON object",
                                code="invalid_json").response()
-        code = "not_found" if error.status_code == 404 else None
+        code = {404: "not_found", 413: "request_too_large"}.get(error.status_code)
         return APIError(error.status_code, str(error.detail), code=code).response()
 
 
@@ -380,6 +385,8 @@ async def _respond(generation: Generation, body: SamplingFields, request: Reques
 async def _collect(generation: Generation, shape: TextCompletion, request: Request) -> JSONResponse:
     created = int(time.time())
     text = "".join([piece async for piece in generation.pieces(request.is_disconnected)])
+    if generation.finish_reason is None:  # the client left before its answer: nobody to send it to
+        return ClientLeft()
     body = shape.envelope(f"{shape.prefix}-{uuid.uuid4().hex}", created)
     body.update(choices=[shape.full_choice(text, generation.finish_reason or "stop")], usage=generation.usage())
     return JSONResponse(body)
@@ -410,6 +417,13 @@ async def _stream_events(generation: Generation, shape: TextCompletion, include_
     if include_usage:
         yield chunk([], usage=generation.usage())
     yield "data: [DONE]\n\n"
+
+
+class ClientLeft(Response):
+    """What a request whose client has gone answers: nothing (the counter records it as a disconnect)."""
+
+    async def __call__(self, scope, receive, send):
+        return None
 
 
 class CancellingStream(StreamingResponse):

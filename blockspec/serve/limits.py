@@ -8,9 +8,12 @@ for every request before it joins the batch.
 
 from __future__ import annotations
 
+from starlette.exceptions import HTTPException
+
 from blockspec.decoding.fast import WIDTH_BUCKETS
 from blockspec.decoding.sequence import GenerationConfig, widest_verify
 from blockspec.errors import BlockspecError
+from blockspec.serve.schemas import APIError
 from blockspec.training.memory import available_memory
 
 #: Below this a temperature counts as 0 (greedy), as in vLLM: logits divided by less overflow float32.
@@ -24,6 +27,8 @@ MIN_TOP_P = 1e-5
 MAX_VERIFY_TOKENS = 4 * WIDTH_BUCKETS[-1]
 #: The share of the available memory one verify forward's logits, mask and features may take.
 VERIFY_MEMORY_SHARE = 0.5
+#: The largest request body read (--max-request-bytes): a whole 128k-token prompt as JSON is about 1 MB.
+MAX_REQUEST_BYTES = 8 * 2**20
 
 
 def usable_sampling(temperature: float, top_p: float, top_k: int) -> tuple[float, float, int]:
@@ -65,3 +70,37 @@ def check_verify_size(model, drafter, config: GenerationConfig) -> None:
     raise BlockspecError(f"--block-size {widest} is too large: at most {limit} tokens are verified per step "
                          f"({why}): give --block-size {limit} or less")
 
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"the request body is larger than this server's limit of {max_bytes} bytes: "
+                              "send a shorter prompt (the server's --max-request-bytes sets the limit)")
+
+
+class BodySizeLimit:
+    """ASGI middleware refusing a body over ``max_bytes`` with a 413: by its Content-Length before reading it,
+    or, sent in chunks, as soon as the bytes read pass the limit (raised as an HTTP error the app answers)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            error = BodyTooLarge(self.max_bytes)
+            return await APIError(413, error.detail, code="request_too_large").response()(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted_receive, send)

@@ -50,7 +50,8 @@ class ServerMetrics:
 
 
 class RequestCounter:
-    """ASGI middleware counting every response by endpoint and status.
+    """ASGI middleware counting every response by endpoint and status; a request answered with nothing because
+    its client had gone is counted as status "disconnected".
 
     Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would buffer streamed
     responses and hide client disconnects from them.
@@ -64,10 +65,15 @@ class RequestCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         endpoint = endpoint_label(scope["path"])
+        answered = False
 
         async def count_and_send(message):
+            nonlocal answered
             if message["type"] == "http.response.start":
+                answered = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, count_and_send)
+        if not answered:
+            self.metrics.requests.labels(endpoint, "disconnected").inc()
