@@ -117,3 +117,46 @@ def test_the_fast_path_names_its_plan_so_cost_models_of_different_kernels_never_
         monkeypatch.setenv(KERNEL_ENV, kernel)
         paths.add(FastForward(model, None, compile=False).path)
     assert paths == {"static", "static-onednn"}
+
+
+# -- a drafter in bf16 where bf16 measures faster ------------------------------------------------------------
+
+def test_bf16_is_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    layers = [torch.nn.Linear(64, 256), torch.nn.Linear(256, 64, bias=False)]
+    first = packed.bf16_faster(layers, 16, cache_dir=tmp_path)
+    monkeypatch.setattr(packed, "_measure_bf16", lambda layers, rows: pytest.fail("measured again"))
+    assert packed.bf16_faster(layers, 16, cache_dir=tmp_path) == first
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_without_a_bf16_path_the_drafter_keeps_fp32(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert packed.bf16_faster([torch.nn.Linear(8, 8)], 16, cache_dir=tmp_path) is False
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("vocabulary", [None, 200])
+def test_a_bf16_drafter_keeps_the_output_the_targets(vocabulary):
+    from blockspec.decoding.sequence import GenerationConfig
+    from blockspec.drafters.dflash import DFlashDrafter
+    from helpers import decode, hf_greedy, make_dflash
+
+    target = make_causal_lm("qwen3", vocab_size=320)
+    vocab = torch.randperm(320, generator=torch.Generator().manual_seed(0))[:vocabulary] if vocabulary else None
+    drafter = DFlashDrafter(make_dflash(target, block_size=8), target, draft_vocabulary=vocab,
+                            draft_dtype=torch.bfloat16)
+    assert drafter.dtype == torch.bfloat16 and next(drafter.model.parameters()).dtype == torch.bfloat16
+    for ids in prompts(320, count=8, seed=21):
+        assert decode(target, ids, drafter, GenerationConfig(max_new_tokens=24, block_size=8)).token_ids == \
+            hf_greedy(target, ids, 24)
+    sampled = decode(target, ids, drafter, GenerationConfig(max_new_tokens=24, block_size=8, temperature=0.8, seed=1))
+    assert len(sampled.token_ids) == 24
+
+
+def test_an_unknown_draft_dtype_is_refused_by_name():
+    from blockspec.drafters.dflash import DFlashDrafter
+    from helpers import make_dflash
+
+    target = make_causal_lm("llama", vocab_size=320)
+    with pytest.raises(BlockspecError, match="draft_dtype must be None, 'auto'"):
+        DFlashDrafter(make_dflash(target), target, draft_dtype="int8")

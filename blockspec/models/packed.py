@@ -200,12 +200,13 @@ def _choice_file(directory: Path, shape: str) -> Path:
     return directory / f"{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]}.json"
 
 
-def _read_choice(directory: Path, shape: str):
+def _read_choice(directory: Path, shape: str, kernels: tuple[str, ...] = KERNELS):
+    known = kernels
     try:
         saved = json.loads(_choice_file(directory, shape).read_text())
         kernels = tuple(saved["kernels"])
         fresh = time.time() - float(saved["measured_at"]) < PLAN_CACHE_MAX_AGE_S
-        if fresh and len(kernels) == len(ROW_BUCKETS) and set(kernels) <= set(KERNELS):
+        if fresh and len(kernels) == len(ROW_BUCKETS) and set(kernels) <= set(known):
             return kernels, saved["ms"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -253,6 +254,49 @@ def _measure(group: list[nn.Linear]) -> tuple[tuple[str, ...], dict[str, list[fl
         for key in keys:
             _PACKED.pop(key, None)
     return tuple(kernels), timings
+
+
+#: bf16 is chosen for a drafter where its products take at most this fraction of fp32's time.
+BF16_MARGIN = 0.8
+
+
+def bf16_faster(linears: Iterable[nn.Linear], rows: int, *, cache_dir: Path | None = None) -> bool:
+    """Whether these layers' products at ``rows`` rows run faster in bf16 than in fp32 on this machine (timed on
+    their own weights, once per machine; False where oneDNN has no bf16 path). For a drafter only: its numerics
+    shape its proposals, never what the target accepts."""
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    layers = list({shape_key(linear): linear for linear in linears}.values())
+    if not layers:
+        return False
+    key = f"bf16@{rows}:" + ",".join(sorted(shape_key(linear) for linear in layers))
+    directory = Path(cache_dir) if cache_dir is not None else _kernel_cache_dir()
+    saved = _read_choice(directory, key, kernels=("fp32", "bf16"))
+    if saved is None:
+        saved = _measure_bf16(layers, rows)
+        _write_choice(directory, key, *saved)
+    return saved[0] == ("bf16",) * len(ROW_BUCKETS)
+
+
+def _measure_bf16(layers: list[nn.Linear], rows: int) -> tuple[tuple[str, ...], dict[str, list[float]]]:
+    halves = [(linear.weight.detach().bfloat16(), None if linear.bias is None else linear.bias.detach().bfloat16())
+              for linear in layers]
+    inputs = {linear.in_features: torch.randn(rows, linear.in_features) for linear in layers}
+    seconds = {"fp32": [], "bf16": []}
+    with torch.inference_mode():
+        for repeat in range(_REPEATS + 1):
+            began = time.perf_counter()
+            for linear in layers:
+                F.linear(inputs[linear.in_features], linear.weight, linear.bias)
+            middle = time.perf_counter()
+            for linear, (weight, bias) in zip(layers, halves):
+                F.linear(inputs[linear.in_features].bfloat16(), weight, bias).float()
+            if repeat:
+                seconds["fp32"].append(middle - began)
+                seconds["bf16"].append(time.perf_counter() - middle)
+    median = {kind: statistics.median(times) * 1e3 for kind, times in seconds.items()}
+    kind = "bf16" if median["bf16"] <= BF16_MARGIN * median["fp32"] else "fp32"
+    return (kind,) * len(ROW_BUCKETS), {name: [round(value, 4)] for name, value in median.items()}
 
 
 class PlannedLinear(nn.Module):
