@@ -366,3 +366,60 @@ def test_a_draft_made_for_another_depth_is_refused(tmp_path):
     write_foreign_checkpoint(tmp_path / "deep", target_layers=6)
     with pytest.raises(IncompatibleDraftError, match="target of 6 layers"):
         DFlashDrafter(load_dflash_model(tmp_path / "deep"), make_causal_lm("qwen3"))
+
+
+# -- vLLM speculators' DFlash layout --------------------------------------------------------------------------
+
+def as_speculators_layout(ours, directory, **settings):
+    """Our saved draft rewritten as speculators' trainer writes a DFlash draft: the layer config nested, the target
+    layers as hidden-state indices (+1), the architecture its own; the weights keep their names."""
+    config = json.loads((ours / "config.json").read_text())
+    nested = config.pop("dflash_config")
+    layer = {key: value for key, value in config.items() if key not in ("architectures", "num_target_layers")}
+    speculators = {
+        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": layer, "draft_vocab_size": config.get("draft_vocab_size") or config["vocab_size"],
+        "block_size": nested["block_size"], "mask_token_id": nested["mask_token_id"],
+        "aux_hidden_state_layer_ids": [i + 1 for i in nested["target_layer_ids"]],
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy",
+                                                     "speculative_tokens": nested["block_size"] - 1}],
+                               "verifier": {"name_or_path": "tiny-target", "architectures": ["Qwen3ForCausalLM"]}},
+        **settings,
+    }
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(speculators))
+    (directory / "model.safetensors").write_bytes((ours / "model.safetensors").read_bytes())
+    return directory
+
+
+def test_a_speculators_dflash_draft_loads_and_drafts_as_ours(tmp_path):
+    from blockspec.drafters.registry import detect_method
+
+    target = make_causal_lm("qwen3").double()
+    save_dflash_model(make_dflash(target, num_layers=2, block_size=8), tmp_path / "ours")
+    theirs = as_speculators_layout(tmp_path / "ours", tmp_path / "speculators")
+    assert detect_method(theirs) == "dflash"
+    runs = []
+    for directory in (tmp_path / "ours", theirs):
+        model = load_dflash_model(directory)
+        assert model.target_layer_ids == [1, 1] and model.block_size == 8 and int(model.mask_token_id) == 3
+        stream = speculative_generate(target, torch.randint(4, 320, (1, 12), generator=torch.Generator().manual_seed(0)),
+                                      DFlashDrafter(model, target), GenerationConfig(max_new_tokens=16))
+        list(stream)
+        runs.append((stream.token_ids, stream.stats.acceptance_lengths))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"speculators_model_type": "dspark"}, "speculators_model_type 'dspark' is not supported"),
+    ({"sample_from_anchor": True}, "sample_from_anchor set in config.json"),
+    ({"dflash2_dynamic_conv": True}, "dflash2_dynamic_conv set in config.json"),
+    ({"aux_hidden_state_layer_ids": None}, "needs transformer_layer_config, aux_hidden_state_layer_ids"),
+])
+def test_speculators_settings_blockspec_cannot_run_are_refused_by_name(tmp_path, settings, message):
+    target = make_causal_lm("qwen3")
+    save_dflash_model(make_dflash(target, block_size=8), tmp_path / "ours")
+    theirs = as_speculators_layout(tmp_path / "ours", tmp_path / "speculators", **settings)
+    with pytest.raises(CheckpointError, match=message):
+        load_dflash_model(theirs)

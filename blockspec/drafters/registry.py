@@ -44,7 +44,7 @@ class DraftMethod:
 
 
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
-    DraftMethod("dflash", "checkpoint", ("DFlashDraftModel",), "blockspec.drafters.dflash:build",
+    DraftMethod("dflash", "checkpoint", ("DFlashDraftModel", "DFlashSpeculator"), "blockspec.drafters.dflash:build",
                 "a DFlash checkpoint directory", label="DFlash"),
     DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3",), "blockspec.drafters.eagle3_mtp:build_eagle3",
                 "an EAGLE-3 checkpoint directory", label="EAGLE-3"),

@@ -476,9 +476,44 @@ def _rotary_config(config: Qwen3Config) -> Qwen3Config:
 # Loading, saving and fitting a drafter to its target
 # ---------------------------------------------------------------------------
 
+#: speculators' DFlash settings blockspec cannot run, refused by name rather than ignored (the next drafter
+#: generation: DFlash2's convolutions and candidate selector, DSpark's anchor sampling, the extra residuals).
+SPECULATORS_UNSUPPORTED = ("sample_from_anchor", "dflash_context_residual", "dflash_block_position_embedding",
+                           "dflash_gated_layer_fusion", "dflash2_dynamic_conv", "dflash2_candidate_selector")
+
+
+def from_speculators_layout(raw: dict, directory) -> dict:
+    """A config.json of vLLM's ``speculators`` DFlash layout (``speculators_model_type: dflash``: the layer config
+    under ``transformer_layer_config``, hidden-state indices in ``aux_hidden_state_layer_ids``) in the public
+    DFlash layout; any other config as it is. Its weights carry the same names."""
+    kind = raw.get("speculators_model_type")
+    if kind is None:
+        return raw
+    if kind != "dflash":
+        raise CheckpointError(f"{directory}: speculators_model_type {kind!r} is not supported: blockspec runs "
+                              "speculators' 'dflash' drafts (and its own 'eagle3' layout through --method eagle3)")
+    on = [name for name in SPECULATORS_UNSUPPORTED if raw.get(name)]
+    if on:
+        raise CheckpointError(f"{directory}: {', '.join(on)} set in config.json, which blockspec does not run")
+    layer = raw.get("transformer_layer_config")
+    aux = raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(layer, dict) or not aux or raw.get("mask_token_id") is None:
+        raise CheckpointError(f"{directory}/config.json: a speculators DFlash draft needs transformer_layer_config, "
+                              "aux_hidden_state_layer_ids and mask_token_id")
+    converted = {**layer, "architectures": ["DFlashDraftModel"], "draft_vocab_size": raw.get("draft_vocab_size"),
+                 # hidden-state indices (0: the embeddings) to the outputs of layers, as dflash_config counts them
+                 "dflash_config": {"mask_token_id": raw["mask_token_id"], "block_size": raw.get("block_size", 8),
+                                   "target_layer_ids": [int(i) - 1 for i in aux]}}
+    if raw.get("target_hidden_size") is not None:
+        converted["target_hidden_size"] = raw["target_hidden_size"]
+    return converted
+
+
 def load_dflash_model(directory) -> DFlashDraftModel:
-    """Load a DFlash draft checkpoint (ours or one written by other software)."""
+    """Load a DFlash draft checkpoint (ours, z-lab's, SpecForge's, or vLLM speculators' layout)."""
     raw = read_config(directory)
+    speculators = "speculators_model_type" in raw
+    raw = from_speculators_layout(raw, directory)
     architectures = raw.get("architectures") or []
     if "DFlashDraftModel" not in architectures:
         raise CheckpointError(
@@ -496,7 +531,7 @@ def load_dflash_model(directory) -> DFlashDraftModel:
     require_weights(directory)
     _refuse_unusable_weights(directory, compressed=has_reduced_vocabulary(raw))
     model = load_pretrained_strict(DFlashDraftModel, directory, dtype=torch.float32,
-                                   config=_draft_config(directory, raw, nested))
+                                   config=_draft_config(directory, raw, nested, from_file=not speculators))
     if model.compressed:
         model.derive_t2d(directory)
         model.check_draft_vocabulary(directory)
@@ -568,10 +603,11 @@ def weight_names(directory) -> list[str]:
         return []
 
 
-def _draft_config(directory, raw: dict, nested: dict) -> Qwen3Config:
-    """The config the model is built from, with what Qwen3Config would otherwise lose or default differently."""
+def _draft_config(directory, raw: dict, nested: dict, *, from_file: bool = True) -> Qwen3Config:
+    """The config the model is built from (config.json, or ``raw`` where it was converted from another layout), with
+    what Qwen3Config would otherwise lose or default differently."""
     try:
-        config = Qwen3Config.from_pretrained(str(directory))
+        config = Qwen3Config.from_pretrained(str(directory)) if from_file else Qwen3Config.from_dict(dict(raw))
     except CONFIG_ERRORS as error:
         raise CheckpointError(f"{directory}/config.json is not a valid config: {error}") from error
     sliding = SLIDING in (raw.get("layer_types") or []) or nested.get("use_swa") or raw.get("use_sliding_window")
