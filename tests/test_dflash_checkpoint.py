@@ -404,8 +404,8 @@ def test_a_speculators_dflash_draft_loads_and_drafts_as_ours(tmp_path):
     for directory in (tmp_path / "ours", theirs):
         model = load_dflash_model(directory)
         assert model.target_layer_ids == [1, 1] and model.block_size == 8 and int(model.mask_token_id) == 3
-        stream = speculative_generate(target, torch.randint(4, 320, (1, 12), generator=torch.Generator().manual_seed(0)),
-                                      DFlashDrafter(model, target), GenerationConfig(max_new_tokens=16))
+        ids = torch.randint(4, 320, (1, 12), generator=torch.Generator().manual_seed(0))
+        stream = speculative_generate(target, ids, DFlashDrafter(model, target), GenerationConfig(max_new_tokens=16))
         list(stream)
         runs.append((stream.token_ids, stream.stats.acceptance_lengths))
     assert runs[0] == runs[1]

@@ -22,6 +22,7 @@ from helpers import (
     RECURSIVE_KINDS,
     SAMPLES,
     chi_square_pvalue,
+    decode,
     exact_joint,
     hf_greedy,
     make_causal_lm,
@@ -192,3 +193,75 @@ def test_a_draft_for_another_target_is_refused(saved, kind, other, message):
     other_target = make_causal_lm("llama", **{"vocab_size": 320, **other})
     with pytest.raises(IncompatibleDraftError, match=message):
         build_drafter(kind, Target(other_target, None, "other"), str(directories[kind]))
+
+
+# -- vLLM speculators' EAGLE-3 layout ------------------------------------------------------------------------
+
+def as_speculators_eagle3(ours, directory, **settings):
+    """Our saved EAGLE-3 draft as speculators' trainer writes one: the layer config nested, its one layer named
+    ``layers.0``, the embedding saved beside it."""
+    config = json.loads((ours / "config.json").read_text())
+    top = {key: config.pop(key) for key in ("draft_vocab_size", "target_hidden_size")}
+    aux = config.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
+    config.pop("architectures")
+    speculators = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                   "transformer_layer_config": config, "eagle_aux_hidden_state_layer_ids": aux,
+                   "norm_before_residual": False, "norm_before_fc": False, **top,
+                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                          "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                          "verifier": {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}},
+                   **settings}
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(speculators))
+    tensors = {name.replace("midlayer.", "layers.0.", 1): tensor
+               for name, tensor in load_file(ours / "model.safetensors").items()}
+    tensors["embed_tokens.weight"] = torch.zeros(320, 64)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_a_speculators_eagle3_draft_loads_as_ours(saved, tmp_path):
+    target, directories = saved
+    theirs = as_speculators_eagle3(directories["eagle3"], tmp_path / "speculators")
+    assert detect_method(theirs) == "eagle3"
+    with pytest.warns(UserWarning, match="embed_tokens"):
+        loaded = load_eagle3_model(theirs)
+    ours = load_eagle3_model(directories["eagle3"])
+    assert loaded.state_dict().keys() == ours.state_dict().keys()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    ids = prompts(320, count=1, seed=3)[0]
+    runs = [decode(target, ids, RecursiveDrafter(model, target, name="eagle3"), GenerationConfig(max_new_tokens=16))
+            for model in (ours, loaded)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].stats.acceptance_lengths == runs[1].stats.acceptance_lengths
+
+
+def test_norm_before_residual_is_honoured(saved, tmp_path):
+    _, directories = saved
+    plain = load_eagle3_model(directories["eagle3"])
+    with pytest.warns(UserWarning):
+        normed = load_eagle3_model(as_speculators_eagle3(directories["eagle3"], tmp_path / "s",
+                                                         norm_before_residual=True))
+    assert normed.midlayer.norm_before_residual and not plain.midlayer.norm_before_residual
+    embeddings, hidden = torch.randn(1, 3, 64), torch.randn(1, 3, 64) * 5
+    rope = plain.rotary_emb(hidden, torch.arange(3).unsqueeze(0))
+    outputs = [model.midlayer(embeddings, hidden, rope, None, None)[0] for model in (plain, normed)]
+    assert not torch.allclose(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"norm_before_fc": True}, "norm_before_fc set in config.json"),
+    ({"speculators_model_type": "mtp"}, "speculators draft of type 'mtp' is not an EAGLE-3 draft"),
+])
+def test_speculators_eagle3_settings_blockspec_cannot_run_are_refused(saved, tmp_path, settings, message):
+    _, directories = saved
+    with pytest.raises(CheckpointError, match=message):
+        load_eagle3_model(as_speculators_eagle3(directories["eagle3"], tmp_path / "s", **settings))
+
+
+def test_a_speculators_eagle3_draft_of_two_layers_is_refused(saved, tmp_path):
+    _, directories = saved
+    theirs = as_speculators_eagle3(directories["eagle3"], tmp_path / "s")
+    rewrite_config(theirs, lambda config: config["transformer_layer_config"].update(num_hidden_layers=2))
+    with pytest.raises(CheckpointError, match="drafts of one llama layer, not 2 llama layers"):
+        load_eagle3_model(theirs)

@@ -46,7 +46,8 @@ class DraftMethod:
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("dflash", "checkpoint", ("DFlashDraftModel", "DFlashSpeculator"), "blockspec.drafters.dflash:build",
                 "a DFlash checkpoint directory", label="DFlash"),
-    DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3",), "blockspec.drafters.eagle3_mtp:build_eagle3",
+    DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3", "Eagle3Speculator"),
+                "blockspec.drafters.eagle3_mtp:build_eagle3",
                 "an EAGLE-3 checkpoint directory", label="EAGLE-3"),
     DraftMethod("mtp", "checkpoint", ("MTPDraftModel",), "blockspec.drafters.eagle3_mtp:build_mtp",
                 "an MTP checkpoint directory", label="MTP"),

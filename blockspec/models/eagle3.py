@@ -20,7 +20,13 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRotaryEmbedding
 
 from blockspec.errors import CheckpointError
-from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_sizes, require_weights
+from blockspec.models.checkpoint import (
+    load_pretrained_strict,
+    read_config,
+    require_keys,
+    require_sizes,
+    require_weights,
+)
 from blockspec.models.recursive_head import CachedAttention, RecursiveDraftModel, make_llama_layer_config, mlp, rms_norm
 from blockspec.models.target import copy_final_norm
 
@@ -56,10 +62,13 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = rms_norm(config)
         self.input_layernorm = rms_norm(config)
         self.post_attention_layernorm = rms_norm(config)
+        #: The residual is the normed feature rather than the feature (``norm_before_residual``, speculators' default).
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
     def forward(self, embeddings, hidden, rope, past, mask):
-        residual = hidden
-        joint = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        joint = torch.cat([self.input_layernorm(embeddings), normed], dim=-1)
         attended, key_values = self.self_attn(joint, rope, past, mask)
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), key_values
@@ -118,8 +127,40 @@ def aux_layer_ids(config) -> list[int]:
     return default_aux_layers(layers)
 
 
+#: speculators' EAGLE-3 layout: its one decoder layer is ``layers.0``, the public layout's ``midlayer``.
+SPECULATORS_KEYS = {r"^layers\.0\.": "midlayer."}
+
+
+def from_speculators_layout(raw: dict, directory) -> dict:
+    """A config.json of vLLM's ``speculators`` EAGLE-3 layout (``speculators_model_type: eagle3``, the layer config
+    under ``transformer_layer_config``) in the public layout; any other config as it is."""
+    kind = raw.get("speculators_model_type")
+    if kind is None:
+        return raw
+    layer = raw.get("transformer_layer_config")
+    if kind != "eagle3" or not isinstance(layer, dict):
+        raise CheckpointError(f"{directory}: a speculators draft of type {kind!r} is not an EAGLE-3 draft blockspec "
+                              "runs (speculators_model_type 'eagle3' with a transformer_layer_config)")
+    if layer.get("model_type", "llama") != "llama" or int(layer.get("num_hidden_layers", 1)) != 1:
+        raise CheckpointError(f"{directory}: blockspec runs speculators EAGLE-3 drafts of one llama layer, not "
+                              f"{layer.get('num_hidden_layers')} {layer.get('model_type')} layers")
+    if raw.get("norm_before_fc"):
+        raise CheckpointError(f"{directory}: norm_before_fc set in config.json, which blockspec does not run")
+    converted = {**layer, "architectures": [ARCHITECTURE], "draft_vocab_size": raw.get("draft_vocab_size"),
+                 "norm_before_residual": raw.get("norm_before_residual", True),
+                 "eagle_config": {"use_aux_hidden_state": True}}
+    if raw.get("eagle_aux_hidden_state_layer_ids"):
+        converted["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = raw["eagle_aux_hidden_state_layer_ids"]
+    if raw.get("target_hidden_size") is not None:
+        converted["target_hidden_size"] = raw["target_hidden_size"]
+    return converted
+
+
 def load_eagle3_model(directory) -> Eagle3DraftModel:
-    config = read_config(directory)
+    """Load an EAGLE-3 draft: the public layout (EAGLE's, SpecForge's) or vLLM speculators'."""
+    raw = read_config(directory)
+    config = from_speculators_layout(raw, directory)
+    speculators = config is not raw
     architectures = config.get("architectures") or []
     if ARCHITECTURE not in architectures:
         raise CheckpointError(f"{directory} is not an EAGLE-3 draft: config.json architectures is {architectures}, "
@@ -127,6 +168,10 @@ def load_eagle3_model(directory) -> Eagle3DraftModel:
     require_keys(config, ["hidden_size", "num_attention_heads", "vocab_size"], directory)
     require_sizes(config, directory)
     require_weights(directory)
-    model = load_pretrained_strict(Eagle3DraftModel, directory, dtype=torch.float32)
+    if speculators:
+        model = load_pretrained_strict(Eagle3DraftModel, directory, dtype=torch.float32,
+                                       config=LlamaConfig.from_dict(config), key_mapping=SPECULATORS_KEYS)
+    else:
+        model = load_pretrained_strict(Eagle3DraftModel, directory, dtype=torch.float32)
     model.check_draft_vocabulary(directory)
     return model

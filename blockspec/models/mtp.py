@@ -22,7 +22,13 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRotaryEmbedding
 
 from blockspec.errors import CheckpointError, IncompatibleDraftError
-from blockspec.models.checkpoint import load_pretrained_strict, read_config, require_keys, require_sizes, require_weights
+from blockspec.models.checkpoint import (
+    load_pretrained_strict,
+    read_config,
+    require_keys,
+    require_sizes,
+    require_weights,
+)
 from blockspec.models.recursive_head import CachedAttention, RecursiveDraftModel, make_llama_layer_config, mlp, rms_norm
 from blockspec.models.target import copy_final_norm
 
