@@ -11,6 +11,7 @@ import sys
 from blockspec.cli.bench import add_bench_command
 from blockspec.cli.demo import add_demo_command
 from blockspec.cli.dllm import add_dllm_command
+from blockspec.cli.export import add_export_command
 from blockspec.cli.generate import add_generate_command
 from blockspec.cli.models import add_models_command
 from blockspec.cli.options import check_device
@@ -19,8 +20,8 @@ from blockspec.cli.train import add_train_draft_command
 from blockspec.errors import BlockspecError
 
 #: The commands, in the order the help lists them.
-COMMANDS = (add_generate_command, add_models_command, add_train_draft_command, add_dllm_command, add_demo_command,
-            add_bench_command, add_serve_command, add_loadtest_command)
+COMMANDS = (add_generate_command, add_models_command, add_train_draft_command, add_export_command, add_dllm_command,
+            add_demo_command, add_bench_command, add_serve_command, add_loadtest_command)
 
 
 def main(argv: list[str] | None = None) -> int:
