@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -12,6 +13,11 @@ def hardware_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    return _cpu_name()
+
+
+@functools.cache
+def _cpu_name() -> str:  # read once: every cached measurement's key asks for it
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:

@@ -111,7 +111,6 @@ class FastForward:
         self.model = model
         #: On a CPU, the kernel of each linear layer's product at each row count, as measured on this machine.
         self.kernels = plan_kernels(linear_layers(model), progress=progress) if packing_available(model) else None
-        self.packed = self.kernels is not None and self.kernels.packs_any
         #: The network the loop runs: a twin of the model sharing its weights, on the planned kernels.
         self.network = module_twin(model, plan=self.kernels)
         attend_through_static_cache(self.network)
@@ -129,7 +128,8 @@ class FastForward:
     @property
     def path(self) -> str:
         """The forward path's name in the cost cache."""
-        return "static" + (f"-{self.kernels.tag}" if self.packed else "") + ("-compiled" if self.compiled else "")
+        packed = self.kernels is not None and self.kernels.packs_any
+        return "static" + (f"-{self.kernels.tag}" if packed else "") + ("-compiled" if self.compiled else "")
 
     def cost_model(self, model, widest: int) -> CostModel:
         """T(w) through this path (measuring it compiles every bucket up to ``widest`` on a first run)."""

@@ -257,7 +257,7 @@ class DFlashDrafter(PositionwiseDrafter):
                             None if context is None else context.to(self.dtype), context_positions, state.cache)
         logits = self.lm_head(hidden[0, 1:].to(self.head_dtype))
         if state.sequence_rows is not None:
-            logits = torch.cat([logits.to(hidden.dtype), F.linear(hidden[0, 1:], state.sequence_rows.weight)], dim=-1)
+            logits = torch.cat([logits, F.linear(hidden[0, 1:], state.sequence_rows.weight)], dim=-1)
         logits = logits.float()
         return logits if self.model.logit_scale == 1.0 else logits * self.model.logit_scale
 

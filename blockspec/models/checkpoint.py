@@ -68,11 +68,16 @@ def draft_kind(config: dict) -> str | None:
     return next((kind for key, kind in DRAFT_CONFIG_KEYS.items() if key in config), None)
 
 
+def is_whole_number(value, minimum: int = 1) -> bool:
+    """An int (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def require_sizes(config: dict, path: str | Path, keys: tuple[str, ...] = SIZE_KEYS) -> None:
     """Every size of ``keys`` the config sets is a whole number >= 1 (a network of -1 layers is a typo, not a model)."""
     for key in keys:
         value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and not is_whole_number(value):
             raise CheckpointError(f"{Path(path) / 'config.json'}: {key} must be a whole number >= 1, got {value!r}")
 
 

@@ -37,6 +37,7 @@ from blockspec.errors import CheckpointError, IncompatibleDraftError
 from blockspec.io import save_atomically
 from blockspec.models.checkpoint import (
     CONFIG_ERRORS,
+    is_whole_number,
     load_pretrained_strict,
     read_config,
     require_keys,
@@ -511,9 +512,8 @@ def from_speculators_layout(raw: dict, directory) -> dict:
 
 def load_dflash_model(directory) -> DFlashDraftModel:
     """Load a DFlash draft checkpoint (ours, z-lab's, SpecForge's, or vLLM speculators' layout)."""
-    raw = read_config(directory)
-    speculators = "speculators_model_type" in raw
-    raw = from_speculators_layout(raw, directory)
+    read = read_config(directory)
+    raw = from_speculators_layout(read, directory)
     architectures = raw.get("architectures") or []
     if "DFlashDraftModel" not in architectures:
         raise CheckpointError(
@@ -531,7 +531,7 @@ def load_dflash_model(directory) -> DFlashDraftModel:
     require_weights(directory)
     _refuse_unusable_weights(directory, compressed=has_reduced_vocabulary(raw))
     model = load_pretrained_strict(DFlashDraftModel, directory, dtype=torch.float32,
-                                   config=_draft_config(directory, raw, nested, from_file=not speculators))
+                                   config=_draft_config(directory, raw, nested, from_file=raw is read))
     if model.compressed:
         model.derive_t2d(directory)
         model.check_draft_vocabulary(directory)
@@ -541,7 +541,7 @@ def load_dflash_model(directory) -> DFlashDraftModel:
 
 def _check_block_size(block_size, directory) -> None:
     """A block holds the last token and at least one masked position: a smaller one would never draft."""
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2):
+    if block_size is not None and not is_whole_number(block_size, 2):
         raise CheckpointError(f"{directory}/config.json: dflash_config.block_size must be a whole number >= 2 (the "
                               f"last token and the positions drafted after it), got {block_size!r}")
 
@@ -564,8 +564,7 @@ def _refuse_unsupported(raw: dict, nested: dict, directory) -> None:
         raise CheckpointError(f"{directory}: use_aux_hidden_state false (a draft that does not read the target's "
                               "layers) is not supported")
     draft_vocab = raw.get("draft_vocab_size")
-    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int)
-                                    or not 1 <= draft_vocab <= raw["vocab_size"]):
+    if draft_vocab is not None and not (is_whole_number(draft_vocab) and draft_vocab <= raw["vocab_size"]):
         raise CheckpointError(f"{directory}: draft_vocab_size {draft_vocab!r} must be a whole number from 1 to "
                               f"vocab_size ({raw['vocab_size']})")
     other = sorted(set(raw.get("layer_types") or []) - {"full_attention", SLIDING})

@@ -200,14 +200,14 @@ def _choice_file(directory: Path, shape: str) -> Path:
     return directory / f"{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]}.json"
 
 
-def _read_choice(directory: Path, shape: str, kernels: tuple[str, ...] = KERNELS):
-    known = kernels
+def _read_choice(directory: Path, shape: str, allowed: tuple[str, ...] = KERNELS, count: int = len(ROW_BUCKETS)):
+    """A cached (choices, timings) of ``count`` choices among ``allowed``, None when absent, stale or broken."""
     try:
         saved = json.loads(_choice_file(directory, shape).read_text())
-        kernels = tuple(saved["kernels"])
+        choices = tuple(saved["kernels"])
         fresh = time.time() - float(saved["measured_at"]) < PLAN_CACHE_MAX_AGE_S
-        if fresh and len(kernels) == len(ROW_BUCKETS) and set(kernels) <= set(known):
-            return kernels, saved["ms"]
+        if fresh and len(choices) == count and set(choices) <= set(allowed):
+            return choices, saved["ms"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
@@ -271,11 +271,11 @@ def bf16_faster(linears: Iterable[nn.Linear], rows: int, *, cache_dir: Path | No
         return False
     key = f"bf16@{rows}:" + ",".join(sorted(shape_key(linear) for linear in layers))
     directory = Path(cache_dir) if cache_dir is not None else _kernel_cache_dir()
-    saved = _read_choice(directory, key, kernels=("fp32", "bf16"))
+    saved = _read_choice(directory, key, allowed=("fp32", "bf16"), count=1)
     if saved is None:
         saved = _measure_bf16(layers, rows)
         _write_choice(directory, key, *saved)
-    return saved[0] == ("bf16",) * len(ROW_BUCKETS)
+    return saved[0] == ("bf16",)
 
 
 def _measure_bf16(layers: list[nn.Linear], rows: int) -> tuple[tuple[str, ...], dict[str, list[float]]]:
@@ -296,7 +296,7 @@ def _measure_bf16(layers: list[nn.Linear], rows: int) -> tuple[tuple[str, ...], 
                 seconds["bf16"].append(time.perf_counter() - middle)
     median = {kind: statistics.median(times) * 1e3 for kind, times in seconds.items()}
     kind = "bf16" if median["bf16"] <= BF16_MARGIN * median["fp32"] else "fp32"
-    return (kind,) * len(ROW_BUCKETS), {name: [round(value, 4)] for name, value in median.items()}
+    return (kind,), {name: [round(value, 4)] for name, value in median.items()}
 
 
 class PlannedLinear(nn.Module):
