@@ -193,7 +193,7 @@ class NoisyOracle(PositionwiseDrafter):
 class FixedCosts(CostModel):
     """Synthetic T(w), not to be "refined" by this machine's real timings."""
 
-    def observe(self, width, seconds):
+    def observe(self, width, seconds, batch=1):
         pass
 
 

@@ -126,6 +126,13 @@ def test_an_uncalibrated_drafter_starts_from_its_own_confidence():
     assert calibrator(0.025) == pytest.approx(0.025)
 
 
+def observe(policy, confidences, accepted, *, verify_seconds, width, draft_seconds):
+    """One sequence's step, as ``decode_step`` reports it to the policy."""
+    policy.observe(confidences, accepted)
+    policy.observe_step(rows=1, batch=1, width=width, tokens=accepted + 1, draft_seconds=draft_seconds,
+                        verify_seconds=verify_seconds)
+
+
 def test_the_policy_maximises_tokens_per_second():
     costs = CostModel([1.0, 1.1, 1.2, 1.3, 1.4, 1.5])
     sure = AdaptiveWidth(costs)
@@ -136,37 +143,62 @@ def test_the_policy_maximises_tokens_per_second():
     assert expensive.choose([0.6, 0.6, 0.6]) == 1  # 1.6 tokens at 3x the cost does not pay
     assert AdaptiveWidth(CostModel([1.0, 1.05, 1.1, 3.0])).choose([0.9, 0.9, 0.9]) == 3
     policy = AdaptiveWidth(CostModel([1.0, 2.0]))
-    policy.observe([0.5], 1, verify_seconds=4.0, width=2, draft_seconds=0.5)
+    observe(policy, [0.5], 1, verify_seconds=4.0, width=2, draft_seconds=0.5)
     assert policy.costs(2) == pytest.approx(2.4) and policy.draft_seconds == 0.5
+
+
+def test_a_batch_drafts_less_as_it_grows():
+    """B rows of w tokens cost one row of B * w here: the more rows, the narrower the width that pays."""
+    costs = CostModel([1.0 + 0.1 * w for w in range(16)])
+    policy = AdaptiveWidth(costs)
+    sure = policy.expected_tokens([0.8] * 15)
+    widths = [policy.choose_width([sure] * rows) for rows in (1, 2, 4, 8)]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
+    assert policy.choose_width([[1.0]] * 8) == 1  # no drafts: nothing to choose
+    assert policy.choose_width([sure], floor=16) == 16  # a wider row without the policy pays for the forward anyway
+
+
+@pytest.mark.parametrize("batch, width, expected", [
+    (1, 2, 2.0), (4, 2, 6.0), (2, 1, 7 / 3), (3, 3, 17 / 3), (8, 1, 31 / 3), (4, 9, 7.0),
+])
+def test_batch_costs_are_interpolated_between_measured_row_counts(batch, width, expected):
+    costs = CostModel([1.0, 2.0, 3.0], batches={4: [5.0, 6.0, 7.0]})
+    assert costs(width, batch) == pytest.approx(expected)
+
+
+def test_without_batch_measurements_rows_cost_like_width():
+    costs = CostModel([1.0, 2.0, 3.0])
+    assert costs(2, batch=1) == 2.0 and costs(1, batch=3) == 3.0
+    assert costs(2, batch=3) == pytest.approx(6.0)  # past the table: its slope
 
 
 def test_drafting_pauses_while_it_does_not_pay_and_probes():
     policy = AdaptiveWidth(CostModel([1.0, 1.5]))
     assert policy.should_draft()  # nothing measured yet
-    policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # 1 token in 2 s < 1 per s
+    observe(policy, [0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # 1 token in 2 s < 1 per s
     decisions = [policy.should_draft() for _ in range(2 * PROBE_EVERY)]
     assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]
     for _ in range(20):  # drafting starts to pay: 3 tokens in 2 s
-        policy.observe([0.9, 0.9], 2, verify_seconds=1.5, width=3, draft_seconds=0.5)
+        observe(policy, [0.9, 0.9], 2, verify_seconds=1.5, width=3, draft_seconds=0.5)
     assert all(policy.should_draft() for _ in range(5))
 
 
 def test_probes_that_keep_failing_come_ever_more_rarely_until_drafting_pays_again():
     policy = AdaptiveWidth(CostModel([1.0, 1.5]))
-    policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # does not pay
+    observe(policy, [0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # does not pay
     gaps = []
     for _ in range(5):
         steps = 1
         while not policy.should_draft():
             steps += 1
         gaps.append(steps)
-        policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # the probe did not pay
+        observe(policy, [0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # the probe did not pay
     assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_AT_MOST, PROBE_AT_MOST]
     for _ in range(20):  # drafting pays again: every step drafts, and a later lapse probes at the first gap
-        policy.observe([0.9, 0.9], 2, verify_seconds=0.5, width=3, draft_seconds=0.1)
+        observe(policy, [0.9, 0.9], 2, verify_seconds=0.5, width=3, draft_seconds=0.1)
     assert all(policy.should_draft() for _ in range(5))
     for _ in range(40):
-        policy.observe([0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)
+        observe(policy, [0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)
     steps = 1
     while not policy.should_draft():
         steps += 1
@@ -207,6 +239,21 @@ def test_the_cost_model_is_measured_once_and_cached(tmp_path):
 
     assert cost_model_for(target, 4, cache_dir=tmp_path, measure=no_second_measurement).seconds == first.seconds[:4]
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_batch_costs_are_measured_through_the_batch_target_and_cached(tmp_path):
+    from blockspec.decoding.batch import BatchTarget
+    from blockspec.decoding.costs import batch_grid, width_grid
+
+    assert batch_grid(8) == (1, 2, 4, 8) and batch_grid(6) == (1, 2, 4, 6)
+    assert width_grid(17) == [1, 2, 3, 4, 5, 8, 9, 16, 17] and width_grid(1) == [1]
+    target = make_causal_lm("llama", vocab_size=320)
+    batch = BatchTarget(target, [1], max_batch_size=4)
+    costs = batch.cost_model(target, 5)
+    assert sorted(costs.batches) == [2, 4] and all(len(t) == 5 and min(t) > 0 for t in costs.batches.values())
+    again = batch.cost_model(target, 5)
+    assert again.seconds == costs.seconds and again.batches == costs.batches
+    assert len(list((tmp_path / "home" / "costs").iterdir())) == 1  # the private home of every test here
 
 
 def test_a_stale_cost_model_is_measured_again(tmp_path, monkeypatch):

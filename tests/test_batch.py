@@ -10,7 +10,8 @@ from blockspec.drafters.draft_lm import DraftModelDrafter
 from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
-from helpers import decode, make_causal_lm, make_dflash, make_recursive, perturbed_copy, prompts, repetitive_prompts
+from blockspec.decoding.policy import WidthPolicies
+from helpers import FixedCosts, decode, make_causal_lm, make_dflash, make_recursive, perturbed_copy, prompts, repetitive_prompts
 
 NUM_PROMPTS = 8
 METHODS = ["ar", "dflash", "dflash-reduced", "eagle3", "mtp", "ngram", "draft"]
@@ -129,6 +130,42 @@ def test_rows_verifying_token_trees_equal_rows_decoded_alone(target, method):
     assert any(n > 1 for r in results for n in r.stats.acceptance_lengths)
 
 
+def cheap_widths(model, widest):
+    """T(w) nearly flat in the width (and, with no batch measured, B rows of w cost one row of B * w)."""
+    return FixedCosts([1.0 + 0.02 * w for w in range(widest)])
+
+
+@pytest.mark.parametrize("method", ["dflash", "ngram", "dflash+ngram"])
+def test_adaptive_rows_equal_greedy_decoding(target, method):
+    """Rows with the adaptive width (chains and trees, beside a fixed-width row) share one width a step,
+    and every row's tokens equal plain greedy decoding."""
+    prototype = tree_prototypes(target)[method] if method != "ngram" else make_prototype("ngram", target)
+    cases = mixed_prompts()
+    trees = method != "ngram"
+    configs = [GenerationConfig(max_new_tokens=16 + i, block_size="auto" if i % 4 else 6,
+                                tree_budget=8 if trees and i % 2 else None) for i in range(len(cases))]
+    policies = WidthPolicies(cheap_widths)
+    results = batch_generate(target, cases, prototype, configs, max_batch_size=4, width_policies=policies)
+    for ids, config, result in zip(cases, configs, results):
+        plain = GenerationConfig(max_new_tokens=config.max_new_tokens)
+        assert result.token_ids == alone(target, ids, None, plain).token_ids
+    assert policies.all() and any(n > 0 for r in results for n in r.stats.drafted)
+    if method == "ngram":  # repetitive prompts: the lookup's drafts are accepted
+        assert any(n > 1 for r in results for n in r.stats.acceptance_lengths)
+
+
+def test_a_batch_cuts_its_rows_to_one_width(target):
+    prototype = make_prototype("dflash", target)
+    engine = BatchEngine(target, prototype, max_batch_size=4, width_policies=WidthPolicies(cheap_widths))
+    rows = [engine.add(ids, GenerationConfig(max_new_tokens=40, block_size="auto")) for ids in mixed_prompts()[:4]]
+    engine.step()  # the prefills
+    for _ in range(3):  # far from the token limit, every row drafts 7 tokens; the policy keeps one width of them
+        engine.step()
+        assert len({row.sequence.widths[-1] for row in rows}) == 1
+    (policy,) = engine.width_policies.all()
+    assert policy.draft_seconds is not None and policy.speedup is not None
+
+
 def test_sampled_tree_rows_match_the_row_alone(target):
     prototype = tree_prototypes(target)["dflash+ngram"]
     cases = mixed_prompts()[:4]
@@ -186,8 +223,8 @@ def test_bad_input_is_refused_clearly(target):
         engine.add(torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(BlockspecError, match="needs a drafter"):
         engine.add([5, 6], GenerationConfig(block_size=4))
-    with pytest.raises(BlockspecError, match="batched decoding verifies a fixed width"):
-        BatchEngine(target, PromptLookupDrafter()).add([5, 6], GenerationConfig(block_size="auto"))
+    with pytest.raises(BlockspecError, match="'auto' needs a drafter"):
+        BatchEngine(target, None).add([5, 6], GenerationConfig(block_size="auto"))
     with pytest.raises(BlockspecError, match="a token tree needs a drafter that proposes one"):
         BatchEngine(target, PromptLookupDrafter()).add([5, 6], GenerationConfig(tree_budget=4))
     with pytest.raises(BlockspecError, match="one each"):

@@ -10,6 +10,7 @@ import pytest
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.models.dflash import load_dflash_model
 from blockspec.serve.app import create_app
+from blockspec.serve.engine import DecodingOptions
 from helpers import load_served_target, running_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,7 +45,8 @@ class PoisonedDrafter(DFlashDrafter):
 def server(tiny_target_dir, tiny_draft_dir):
     target = load_served_target(tiny_target_dir)
     drafter = PoisonedDrafter(load_dflash_model(tiny_draft_dir), target.model)
-    app = create_app(target, drafter, max_batch_size=8, max_queue=80)
+    # a fixed width, so that every step drafts (the adaptive width may pause a drafter that does not pay)
+    app = create_app(target, drafter, max_batch_size=8, max_queue=80, decoding=DecodingOptions(block_size=8))
     with running_server(app) as url:
         yield url, target.name
 

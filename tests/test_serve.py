@@ -330,9 +330,10 @@ def test_serve_options_are_checked(tiny_target_dir, capsys):
 # -- trees, the adaptive width and batches of one ------------------------------------------------
 
 @pytest.mark.parametrize("options,batch,engine", [({"tree_budget": 8}, 8, "BatchEngine"),
-                                                  ({"block_size": "auto"}, 8, "SequentialEngine"),
+                                                  ({"block_size": "auto"}, 8, "BatchEngine"),
+                                                  ({}, 8, "BatchEngine"),
                                                   ({"tree_budget": 8}, 1, "SequentialEngine")],
-                         ids=["tree", "auto", "tree-alone"])
+                         ids=["tree", "auto", "default", "tree-alone"])
 def test_trees_and_adaptive_widths_serve_the_greedy_tokens_of_generate(tiny_target_dir, tiny_draft_dir, options,
                                                                        batch, engine):
     from blockspec.decoding.generate import speculative_generate
@@ -349,6 +350,11 @@ def test_trees_and_adaptive_widths_serve_the_greedy_tokens_of_generate(tiny_targ
         with ThreadPoolExecutor(len(prompts)) as pool:
             served_texts = list(pool.map(lambda p: complete(server, p)[0], prompts))
         wait_until_idle(server)
+        metrics = httpx.get(f"{url}/metrics").text
+    assert "blockspec_verify_width_count" in metrics and "blockspec_batch_size_count" in metrics
+    if not options:  # the default: as `blockspec generate`, the adaptive width over a token tree, batched
+        policies = app.state.engine.engine.width_policies.policies
+        assert [key[0] for key in policies] == ["tree"]
     for prompt, text in zip(prompts, served_texts):
         ids = target.encode_prompt(prompt, use_chat_template=False)
         stream = speculative_generate(target.model, ids, None, GenerationConfig(max_new_tokens=10))

@@ -19,8 +19,9 @@ def add_serve_command(commands) -> None:
     parser.add_argument("--draft-sampling", choices=["sample", "greedy"], default="sample",
                         help="at temperature > 0: sample drafts (default) or draft greedily")
     parser.add_argument("--block-size", type=block_size_arg, default=None,
-                        help="verify width of every request (default: the drafter's trained size); 'auto' "
-                             "chooses it each step, and then requests are decoded one at a time")
+                        help="verify width of every request; 'auto' chooses it each step for the whole batch "
+                             "(default: as `blockspec generate`: for dflash, 'auto' over a 16-node token tree; "
+                             "else the drafter's trained size)")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="verify a token tree of this many draft nodes (dflash, suffix, dflash+suffix, "
                              "dflash+ngram); each row of a batch verifies a tree of its own")
@@ -56,20 +57,26 @@ def run_serve(args) -> int:
     decoding = decoding_options(args)
     GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
     target, drafter = load_models(args)
+    decoding = decoding.for_drafter(drafter)
     check_decoding(target.model, drafter, decoding)
-    sequential = one_at_a_time(decoding, args.max_batch_size)
-    if sequential:  # compiled graphs (if any) for requests of up to 512 positions, ahead of the first
-        from blockspec.decoding.generate import warm_up_fast_path
-
-        warm_up_fast_path(target.model, drafter, GenerationConfig(**decoding.config_fields()), 256)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                      max_request_bytes=args.max_request_bytes,
                      api_keys=api_keys, decoding=decoding)
-    how = "one request at a time" if sequential else f"batches of up to {args.max_batch_size}"
-    print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, {how}) at "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # compiled graphs (one request at a time) or the batch's T(B, w) (adaptive width), ahead of the first request
+    app.state.engine.prepare(GenerationConfig(**decoding.config_fields()), say=lambda text: print(
+        f"blockspec: {text}", file=sys.stderr))
+    how = "one request at a time" if one_at_a_time(args.max_batch_size) else f"batches of up to {args.max_batch_size}"
+    print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, "
+          f"{verify_shape(decoding)}, {how}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def verify_shape(decoding) -> str:
+    """What each step verifies, in words."""
+    width = "the adaptive width" if decoding.block_size == "auto" else (
+        "the drafter's width" if decoding.block_size is None else f"width {decoding.block_size}")
+    return width + (f" over a {decoding.tree_budget}-node token tree" if decoding.tree_budget else "")
 
 
 def api_keys_of(args) -> list[str]:

@@ -29,10 +29,20 @@ import torch
 
 from blockspec.clock import wall_clock
 from blockspec.decoding.cache import BatchCache, LinearStates, check_batchable, new_target_cache, sliding_window_of
+from blockspec.decoding.costs import CostModel, batch_cost_model
 from blockspec.decoding.fast import StaticBatchTarget, compile_choice, fast_forward
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
-from blockspec.decoding.policy import AUTO
-from blockspec.decoding.sequence import GenerationConfig, GenerationStats, Sequence, SequenceView, Step, new_sequence
+from blockspec.decoding.policy import AUTO, WidthPolicies
+from blockspec.decoding.sequence import (
+    GenerationConfig,
+    GenerationStats,
+    Sequence,
+    SequenceView,
+    Step,
+    chain_unless_trees_verify,
+    new_sequence,
+    widest_verify,
+)
 from blockspec.decoding.static_cache import block_visibility
 from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.decoding.verifier import TargetScores
@@ -67,10 +77,11 @@ class BatchTarget:
     row by row (``blockspec.decoding.cache``).
     """
 
-    def __init__(self, model, feature_layers: list[int] | None, pad_token_id: int = 0):
+    def __init__(self, model, feature_layers: list[int] | None, pad_token_id: int = 0, max_batch_size: int = 8):
         self.model = model
         self.feature_layers = feature_layers
         self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
         check_batchable(model)
         self.cache = BatchCache(model.config)
         template = new_target_cache(model)
@@ -128,6 +139,18 @@ class BatchTarget:
     def reserve(self, length: int) -> None:
         """Nothing to do: the dynamic cache grows as it goes."""
 
+    @property
+    def path(self) -> str:
+        """The forward path's name in the cost cache."""
+        return f"batch{self.max_batch_size}-dynamic"
+
+    def cost_model(self, model, widest: int) -> CostModel:
+        """T(B, w) of this path for 1..max_batch_size rows (measured once per machine, then read from disk)."""
+        def fresh():
+            return BatchTarget(self.model, self.feature_layers, self.pad_token_id, self.max_batch_size)
+
+        return batch_cost_model(model, widest, self.max_batch_size, fresh, self.path)
+
     def _attention_mask(self, block_valid: torch.Tensor, position_ids: torch.Tensor, visible: torch.Tensor | None):
         """The 2D key mask; with token trees (``visible``: what each block row sees of its block) or
         sliding-window layers, 4D masks (per layer type where windows differ: they follow positions)."""
@@ -164,27 +187,32 @@ class BatchEngine:
     (prefilling each) and runs one batched verify forward, returning the ``BatchEvent`` of every
     row that produced tokens. ``compile``: "on"/"auto" run the rows through the fast path's static
     cache (oneDNN-packed on a CPU, eagerly: the row count changes from step to step).
+    Rows with ``block_size="auto"`` share the engine's adaptive width (``width_policies``, kept
+    across engines when passed in): each step cuts their drafts to the width that pays best for
+    the whole batch, from T(B, w) measured through this engine's target.
     """
 
     def __init__(self, target_model, drafter: Drafter | None = None, *, max_batch_size: int = 8,
-                 compile: str = "off"):
+                 compile: str = "off", width_policies: WidthPolicies | None = None):
         if max_batch_size < 1:
             raise BlockspecError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = target_model
         self.drafter = drafter
         self.max_batch_size = max_batch_size
         self.compile = compile
+        self.width_policies = width_policies if width_policies is not None else WidthPolicies()
         self.rows: list[Row] = []
         self.waiting: deque[Row] = deque()
         layers = drafter.feature_layers if drafter is not None else None
         if compile_choice(target_model, compile)[0]:
             self.target = StaticBatchTarget(fast_forward(target_model, layers, compile=False), max_batch_size)
         else:
-            self.target = BatchTarget(target_model, layers)
+            self.target = BatchTarget(target_model, layers, max_batch_size=max_batch_size)
         self._ids = itertools.count()
         self._cancelled: set[int] = set()
-        #: Active rows in each decode forward so far (for the batch-size figures).
+        #: Active rows, and the widest block, of each decode forward so far (for the batch figures).
         self.batch_sizes: list[int] = []
+        self.verify_widths: list[int] = []
 
     @property
     def device(self) -> torch.device:
@@ -204,25 +232,37 @@ class BatchEngine:
 
     def fresh(self) -> "BatchEngine":
         """An empty engine over the same model and drafter (after a failed step)."""
-        return BatchEngine(self.model, self.drafter, max_batch_size=self.max_batch_size, compile=self.compile)
+        return BatchEngine(self.model, self.drafter, max_batch_size=self.max_batch_size, compile=self.compile,
+                           width_policies=self.width_policies)
 
     def add(self, input_ids, config: GenerationConfig | None = None, *, namespace: str | None = None) -> Row:
         """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step. Each row verifies a chain
         or a token tree of its own (``config.tree_budget``). ``namespace``: whose earlier answers a drafter
         that copies may read and keeps this one for."""
         config = config or GenerationConfig()
-        if config.block_size == AUTO:
-            raise BlockspecError("block_size 'auto' chooses widths for one sequence at a time; batched decoding "
-                                 "verifies a fixed width: give a number (a server started with --block-size auto "
-                                 "decodes requests one at a time)")
         drafter = self.drafter.for_namespace(namespace) if self.drafter is not None else None
-        row = Row(next(self._ids), new_sequence(self.model, input_ids, drafter, config), wall_clock(self.device))
+        sequence = new_sequence(self.model, input_ids, drafter, config)
+        if config.block_size == AUTO:
+            sequence.width_policy = self.width_policies.get(self.model, widest_verify(drafter, sequence.config),
+                                                            tree=bool(sequence.config.tree_budget), batched=self.target)
+        row = Row(next(self._ids), sequence, wall_clock(self.device))
         self.waiting.append(row)
         return row
 
     def cancel(self, row: Row | int) -> None:
         """Drop a row (queued or active) before the next step; it yields nothing more."""
         self._cancelled.add(row if isinstance(row, int) else row.id)
+
+    def prepare(self, config: GenerationConfig, say=None) -> None:
+        """Measure (or read from disk) the T(B, w) rows under ``config`` will choose their widths by."""
+        if config.block_size != AUTO or self.drafter is None:
+            return
+        config = chain_unless_trees_verify(self.model, config)
+        if say is not None:
+            say(f"the adaptive width's forward times for 1..{self.max_batch_size} rows ({self.target.path}; "
+                "measured once per machine)")
+        self.width_policies.get(self.model, widest_verify(self.drafter, config), tree=bool(config.tree_budget),
+                                batched=self.target)
 
     def step(self) -> list[BatchEvent]:
         """Admit queued rows, then one verify forward over every active row."""
@@ -255,6 +295,7 @@ class BatchEngine:
     def _decode(self) -> list[BatchEvent]:
         self.batch_sizes.append(len(self.rows))
         steps = decode_step(self.target, [row.sequence for row in self.rows])
+        self.verify_widths.append(max(step.width for step in steps))
         now = wall_clock(self.device)
         for row in self.rows:
             row.stats.total_time = now - row.submitted_at
@@ -290,7 +331,8 @@ class BatchResult:
 
 def batch_generate(target_model, prompts, drafter: Drafter | None = None,
                    configs: GenerationConfig | list[GenerationConfig] | None = None, *,
-                   max_batch_size: int = 8, compile: str = "off") -> list[BatchResult]:
+                   max_batch_size: int = 8, compile: str = "off",
+                   width_policies: WidthPolicies | None = None) -> list[BatchResult]:
     """Decode every prompt (ids) through one ``BatchEngine``; results in prompt order.
 
     ``configs`` is one config for all prompts or one per prompt.
@@ -300,7 +342,8 @@ def batch_generate(target_model, prompts, drafter: Drafter | None = None,
         configs = [configs or GenerationConfig()] * len(prompts)
     if len(configs) != len(prompts):
         raise BlockspecError(f"got {len(configs)} generation configs for {len(prompts)} prompts: give one or one each")
-    engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size, compile=compile)
+    engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size, compile=compile,
+                         width_policies=width_policies)
     rows = [engine.add(ids, config) for ids, config in zip(prompts, configs)]
     for _ in engine.run():
         pass

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from blockspec.decoding.costs import CostModel, cost_model_for, measure_costs
+from blockspec.decoding.costs import MEASURED_CONTEXT, CostModel, batch_cost_model, cost_model_for, measure_costs
 from blockspec.decoding.forward import TargetOutput, VerifyBlock
 from blockspec.decoding.sequence import COMPILE_CHOICES
 from blockspec.decoding.static_cache import (
@@ -136,7 +136,7 @@ class FastForward:
         def measure(model, max_width):
             if self.progress is not None:
                 self.progress(f"measuring the target's forward time at widths 1..{max_width} ({self.path})")
-            return measure_costs(model, max_width, new_target=lambda: StaticTarget(self, 128 + max_width + 1))
+            return measure_costs(model, max_width, new_target=lambda: StaticTarget(self, MEASURED_CONTEXT + max_width + 1))
 
         return cost_model_for(model, widest, measure=measure, path=self.path)
 
@@ -288,6 +288,20 @@ class StaticBatchTarget:
         self.cache = fast.new_cache(0, batch=max_batch_size)
         self.rows = 0
         self._pending: list[VerifyBlock] = []
+
+    @property
+    def path(self) -> str:
+        """The forward path's name in the cost cache."""
+        return f"batch{self.max_batch_size}-{self.fast.path}"
+
+    def cost_model(self, model, widest: int) -> CostModel:
+        """T(B, w) of this path for 1..max_batch_size rows (measured once per machine, then read from disk)."""
+        def fresh():
+            target = StaticBatchTarget(self.fast, self.max_batch_size)
+            target.reserve(MEASURED_CONTEXT + widest + 1)
+            return target
+
+        return batch_cost_model(model, widest, self.max_batch_size, fresh, self.path)
 
     def reserve(self, length: int) -> None:
         """Make room for a row of up to ``length`` positions (the cache grows; rows keep their entries)."""

@@ -11,6 +11,8 @@ accept / reject history (isotonic over confidence bins), T(w) the target's forwa
 width w (calibrated once per model and device, cached on disk, then scaled by how the
 measured verify times compare with it) and T_draft the measured drafting time. The width with the highest
 rate is verified. The verifier sees an ordinary (shorter) proposal, so output stays lossless.
+In a batch of B rows, one width serves them all: the one with the most expected tokens over the rows
+per second of B drafts plus T(B, w), the target's forward for B rows of w tokens (also measured).
 """
 
 from __future__ import annotations
@@ -105,14 +107,20 @@ class AcceptanceCalibrator:
 # ---------------------------------------------------------------------------
 
 class AdaptiveWidth:
-    """Chooses each step's verify width from the draft's confidences, and learns from the verdict."""
+    """Chooses each step's verify width from the drafts' confidences, and learns from the verdicts.
+
+    One policy may serve a batch: its rows' drafts are cut to one width W, the one whose expected
+    tokens over all rows per second of T(B, W) (the target's forward for B rows of width W) is best,
+    so a batch drafts less as it grows.
+    """
 
     def __init__(self, costs: CostModel, calibrator: AcceptanceCalibrator | None = None):
         self.costs = costs
         self.calibrator = calibrator or AcceptanceCalibrator()
+        #: Running seconds one row's drafting takes.
         self.draft_seconds: float | None = None
-        #: Running tokens per second of the steps that drafted (draft + verify time).
-        self.drafting_rate: float | None = None
+        #: Running speed of the steps that drafted over plain one-token steps of the same batch.
+        self.speedup: float | None = None
         self._skipped = 0
         self._probe_gap = PROBE_EVERY
         self._probing = False
@@ -120,7 +128,7 @@ class AdaptiveWidth:
     def should_draft(self) -> bool:
         """Whether to draft this step: no when drafting has paid less than one-token steps, but every
         ``PROBE_EVERY``-th step anyway, a gap that doubles with each probe that still does not pay.
-        (Skipping only makes the step plain decoding.)"""
+        (Skipping only makes the step plain decoding.) Asked once a step, for every row it serves."""
         if not self._drafting_lags():
             return True
         self._skipped += 1
@@ -131,7 +139,7 @@ class AdaptiveWidth:
         return False
 
     def _drafting_lags(self) -> bool:
-        return self.drafting_rate is not None and self.drafting_rate < 1.0 / self.costs(1)
+        return self.speedup is not None and self.speedup < 1.0
 
     def expected_tokens(self, confidences) -> list[float]:
         """Expected tokens a verify of width w produces, for w = 1..len(confidences)+1."""
@@ -141,58 +149,67 @@ class AdaptiveWidth:
             expected.append(expected[-1] + reach)
         return expected
 
-    def choose(self, confidences) -> int:
-        draft = self.draft_seconds or 0.0
-        expected = self.expected_tokens(confidences)
-        rates = [tokens / (draft + self.costs(w)) for w, tokens in enumerate(expected, start=1)]
-        return max(range(len(rates)), key=rates.__getitem__) + 1
-
-    def choose_tree_size(self, confidences, parents) -> int:
-        """How many of a tree's nodes (listed best first, parents before children) to verify.
-
-        A node is accepted only if its whole path is, and siblings exclude each other, so the
-        expected accepted length of the first b nodes is the sum of their path reach.
-        """
-        draft = self.draft_seconds or 0.0
-        reach, expected, best, best_rate = [], 1.0, 0, 1.0 / (draft + self.costs(1))
-        for node, (confidence, parent) in enumerate(zip(confidences, parents)):
+    def expected_tree_tokens(self, confidences, parents) -> list[float]:
+        """Expected tokens of verifying a tree's first n nodes (listed best first, parents before children),
+        for widths w = n + 1 = 1..len(confidences)+1. A node is accepted only if its whole path is, and
+        siblings exclude each other, so the expected accepted length is the sum of the nodes' path reach."""
+        reach, expected = [], [1.0]
+        for confidence, parent in zip(confidences, parents):
             reach.append(self.calibrator(float(confidence)) * (reach[parent] if parent >= 0 else 1.0))
-            expected += reach[-1]
-            rate = expected / (draft + self.costs(node + 2))
+            expected.append(expected[-1] + reach[-1])
+        return expected
+
+    def choose_width(self, expected: list[list[float]], batch: int | None = None, floor: int = 1) -> int:
+        """The width W that pays best for rows with these expected-token curves (``expected[r][w - 1]``), each
+        verifying up to W: the most expected tokens per second of drafting plus T(batch, max(W, floor)).
+        ``batch``: the rows the forward carries (default: these); ``floor``: the widest block of rows the
+        policy does not choose for."""
+        batch = batch or len(expected)
+        drafting = (self.draft_seconds or 0.0) * len(expected)
+        best, best_rate = 1, -1.0
+        for width in range(1, max(len(curve) for curve in expected) + 1):
+            tokens = sum(curve[min(width, len(curve)) - 1] for curve in expected)
+            rate = tokens / (drafting + self.costs(max(width, floor), batch))
             if rate > best_rate:
-                best, best_rate = node + 1, rate
+                best, best_rate = width, rate
         return best
 
-    def observe(self, confidences, num_accepted: int, verify_seconds: float, width: int,
-                draft_seconds: float) -> None:
-        self.calibrator.observe(confidences, num_accepted)
-        self._observe_times(width, verify_seconds, draft_seconds)
-        self._observe_rate(num_accepted + 1, verify_seconds + draft_seconds)
+    def choose(self, confidences) -> int:
+        """One sequence's chain width."""
+        return self.choose_width([self.expected_tokens(confidences)])
 
-    def observe_tree(self, levels, verify_seconds: float, width: int, draft_seconds: float) -> None:
+    def choose_tree_size(self, confidences, parents) -> int:
+        """How many of one sequence's tree nodes to verify."""
+        return self.choose_width([self.expected_tree_tokens(confidences, parents)]) - 1
+
+    def observe(self, confidences, num_accepted: int) -> None:
+        """One chain's verdict: drafts 1..num_accepted accepted."""
+        self.calibrator.observe(confidences, num_accepted)
+
+    def observe_tree(self, levels) -> None:
         """``levels``: per tree level walked, (the children's confidences, the accepted child's index or None)."""
         for confidences, accepted in levels:
             if confidences:
                 self.calibrator.observe_candidates(confidences, accepted)
-        self._observe_times(width, verify_seconds, draft_seconds)
-        self._observe_rate(len(levels), verify_seconds + draft_seconds)  # the path's nodes + the next token
 
-    def _observe_rate(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, *, rows: int, batch: int, width: int, tokens: int, draft_seconds: float,
+                     verify_seconds: float) -> None:
+        """One step of ``rows`` drafting rows (of ``batch`` in the forward, ``width`` wide) that produced
+        ``tokens`` in all: the times move the cost model, and the speed over plain steps decides drafting."""
+        self.costs.observe(width, verify_seconds, batch)
+        per_row = draft_seconds / rows
+        self.draft_seconds = per_row if self.draft_seconds is None else \
+            self.draft_seconds + EMA_WEIGHT * (per_row - self.draft_seconds)
+        seconds = draft_seconds + verify_seconds
         if seconds <= 0:
             return
-        rate = tokens / seconds
-        self.drafting_rate = rate if self.drafting_rate is None else \
-            self.drafting_rate + EMA_WEIGHT * (rate - self.drafting_rate)
+        speedup = (tokens / seconds) / (batch / self.costs(1, batch))
+        self.speedup = speedup if self.speedup is None else self.speedup + EMA_WEIGHT * (speedup - self.speedup)
         if not self._drafting_lags():
             self._probe_gap = PROBE_EVERY
         elif self._probing:
             self._probe_gap = min(2 * self._probe_gap, PROBE_AT_MOST)
         self._probing = False
-
-    def _observe_times(self, width: int, verify_seconds: float, draft_seconds: float) -> None:
-        self.costs.observe(width, verify_seconds)
-        self.draft_seconds = draft_seconds if self.draft_seconds is None else \
-            self.draft_seconds + EMA_WEIGHT * (draft_seconds - self.draft_seconds)
 
 
 class WidthPolicies:
@@ -207,11 +224,13 @@ class WidthPolicies:
         self.measure = measure
         self.policies: dict[tuple[str, int, str], AdaptiveWidth] = {}
 
-    def get(self, model, widest: int, *, tree: bool, fast=None) -> AdaptiveWidth:
-        """``fast``: the fast path's forward the target runs through (its own T(w)), None for the eager one."""
-        key = ("tree" if tree else "chain", widest, "dynamic" if fast is None else fast.path)
+    def get(self, model, widest: int, *, tree: bool, fast=None, batched=None) -> AdaptiveWidth:
+        """``fast``: the fast path's forward the target runs through (its own T(w)), None for the eager one;
+        ``batched``: a batch engine's target (``path`` and ``cost_model(model, widest)``: T(B, w) for its rows)."""
+        timed = batched if batched is not None else fast
+        key = ("tree" if tree else "chain", widest, "dynamic" if timed is None else timed.path)
         if key not in self.policies:
-            measure = self.measure or (cost_model_for if fast is None else fast.cost_model)
+            measure = self.measure or (cost_model_for if timed is None else timed.cost_model)
             self.policies[key] = AdaptiveWidth(measure(model, widest))
         return self.policies[key]
 

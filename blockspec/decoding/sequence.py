@@ -78,6 +78,11 @@ class Step:
     #: Tokens the verify forward carried (None: the last token + the chain of drafts).
     num_verified: int | None = None
 
+    @property
+    def width(self) -> int:
+        """The verify block's width: the last token and its drafts (a tree's nodes)."""
+        return self.num_verified if self.num_verified is not None else self.num_drafted + 1
+
 
 @dataclass
 class GenerationStats:
@@ -186,11 +191,7 @@ class Sequence:
     def draft_depth(self) -> int:
         """How many tokens to draft this step: the width allows, the token limit leaves room for the target's own."""
         depth = min(self.block_size - 1, self.max_new_tokens - len(self.token_ids) - 1)
-        if self.drafter is None or depth <= 0:
-            return 0
-        if self.width_policy is not None and not self.width_policy.should_draft():
-            return 0  # drafting has not been paying: a plain one-token step
-        return depth
+        return 0 if self.drafter is None or depth <= 0 else depth
 
     def record(self, step: Step, *, decode: bool) -> Step:
         """Cut the step at a stop token or the token limit, append it to ``token_ids``, account for it."""
@@ -210,7 +211,7 @@ class Sequence:
             self.stats.acceptance_lengths.append(len(tokens))
             self.stats.drafted.append(step.num_drafted)
             self.stats.accepted.append(step.num_accepted)
-            self.stats.verified.append(step.num_verified if step.num_verified is not None else step.num_drafted + 1)
+            self.stats.verified.append(step.width)
         return step
 
 

@@ -15,7 +15,7 @@ from typing import Iterator
 
 from blockspec.clock import wall_clock
 from blockspec.decoding.batch import BatchEvent, Row
-from blockspec.decoding.generate import TokenStream
+from blockspec.decoding.generate import TokenStream, warm_up_fast_path
 from blockspec.decoding.policy import WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig, Step
 from blockspec.drafters.base import Drafter
@@ -34,6 +34,7 @@ class SequentialEngine:
         self.rows: list[Row] = []
         self.waiting: deque[Row] = deque()
         self.batch_sizes: list[int] = []
+        self.verify_widths: list[int] = []
         self._streams: dict[int, TokenStream] = {}
         self._steps: dict[int, Iterator[Step]] = {}
         self._ids = itertools.count()
@@ -62,6 +63,10 @@ class SequentialEngine:
         self.waiting.append(row)
         return row
 
+    def prepare(self, config: GenerationConfig, say=None) -> None:
+        """Compile (or load) the fast path's graphs requests under ``config`` use, for up to 512 positions."""
+        warm_up_fast_path(self.model, self.drafter, config, 256)
+
     def cancel(self, row: Row | int) -> None:
         """Drop a row (queued or running) before the next step; it yields nothing more."""
         self._cancelled.add(row if isinstance(row, int) else row.id)
@@ -79,6 +84,7 @@ class SequentialEngine:
         step = next(self._steps[row.id])
         if row.stats.acceptance_lengths:  # a decode step, not the prefill
             self.batch_sizes.append(1)
+            self.verify_widths.append(step.width)
         if row.finished:
             self._close(row)
         return [BatchEvent(row, step)]

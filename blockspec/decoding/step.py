@@ -16,11 +16,13 @@ a drafter a step verifies the last token alone: plain autoregressive decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from blockspec.clock import wall_clock
 from blockspec.decoding.forward import TargetOutput, VerifyBlock, VerifyTarget
+from blockspec.decoding.policy import AdaptiveWidth
 from blockspec.decoding.sequence import Sequence, Step
 from blockspec.decoding.verifier import TargetScores, Verdict, verify_chain, verify_tree
 from blockspec.drafters.base import Proposal
@@ -30,19 +32,33 @@ from blockspec.sampling import sample_from
 
 @dataclass
 class Draft:
-    """One sequence's drafts for this step, as the target will verify them."""
+    """One sequence's drafts for this step (a chain's proposal or a token tree); ``block`` is what the target
+    verifies: the last token, then the drafts."""
 
-    block: VerifyBlock
+    root: int
+    position: int
     proposal: Proposal | None = None
-    #: With an adaptive width: the drafter's confidence in each verified draft (tree: each node),
-    #: when drafting started and when verifying did.
+    tree: Tree | None = None
+    #: With an adaptive width: the drafter's confidence in each draft (a tree: each node).
     confidences: list[float] | None = None
-    drafting_began: float = 0.0
-    verifying_began: float = 0.0
 
     @property
-    def tree(self) -> Tree | None:
-        return self.block.tree
+    def size(self) -> int:
+        """Drafts (a tree's nodes) in the block."""
+        return len(self.tree) if self.tree is not None else len(self.proposal.tokens)
+
+    def cut(self, width: int) -> None:
+        """Verify only the first ``width - 1`` drafts (a chain's prefix, a tree's best nodes: still a tree)."""
+        if self.tree is not None:
+            self.tree = self.tree.first(width - 1)
+        else:
+            self.proposal = self.proposal.truncated(width - 1)
+        self.confidences = self.confidences[: width - 1]
+
+    @cached_property
+    def block(self) -> VerifyBlock:
+        drafts = self.tree.tokens if self.tree is not None else self.proposal.tokens.tolist()
+        return VerifyBlock([self.root, *drafts], self.position, self.tree)
 
 
 def prefill_step(target: VerifyTarget, sequence: Sequence) -> Step:
@@ -67,13 +83,19 @@ def decode_step(target: VerifyTarget, sequences: list[Sequence]) -> list[Step]:
     """One step of every sequence, their blocks verified together in one target forward."""
     device = sequences[0].device
     began = wall_clock(device)
-    drafts = [draft(sequence) for sequence in sequences]
+    groups = width_groups(sequences)
+    drafting = {id(policy): policy.should_draft() for policy, _ in groups}
+    drafts = [draft(sequence, drafting.get(id(sequence.width_policy), True)) for sequence in sequences]
+    fit_widths(groups, sequences, drafts)
     drafted = wall_clock(device)
     outputs = target.verify([d.block for d in drafts])
     verdicts = [accept(sequence, d, out) for sequence, d, out in zip(sequences, drafts, outputs)]
     target.keep([verdict.kept_rows for verdict in verdicts])
+    kept = wall_clock(device)
     steps = [commit(*args) for args in zip(sequences, drafts, verdicts, outputs)]
     verified = wall_clock(device)
+    learn_widths(groups, sequences, drafts, verdicts, steps, draft_seconds=drafted - began,
+                 verify_seconds=kept - drafted)
     for sequence in sequences:  # a batch's rows wait for every row's drafts and for the one verify forward
         if sequence.drafter is not None:
             sequence.stats.draft_seconds += drafted - began
@@ -81,56 +103,60 @@ def decode_step(target: VerifyTarget, sequences: list[Sequence]) -> list[Step]:
     return steps
 
 
-def draft(sequence: Sequence) -> Draft:
-    """This step's block: the last token and its drafts (none when drafting does not pay or has no room)."""
-    depth = sequence.draft_depth()
-    began = wall_clock(sequence.device) if sequence.width_policy is not None else 0.0
+def width_groups(sequences: list[Sequence]) -> list[tuple[AdaptiveWidth, list[int]]]:
+    """The adaptive-width policies of these sequences, each with the indices of the sequences it serves."""
+    groups: dict[int, tuple[AdaptiveWidth, list[int]]] = {}
+    for index, sequence in enumerate(sequences):
+        if sequence.width_policy is not None:
+            groups.setdefault(id(sequence.width_policy), (sequence.width_policy, []))[1].append(index)
+    return list(groups.values())
+
+
+def draft(sequence: Sequence, drafting: bool = True) -> Draft:
+    """This sequence's drafts at full depth (none when drafting does not pay this step or has no room)."""
+    depth = sequence.draft_depth() if drafting else 0
+    result = Draft(sequence.last_token, sequence.position)
+    adaptive = sequence.width_policy is not None
     if depth > 0 and sequence.config.tree_budget:
-        return _draft_tree(sequence, depth, began)
-    proposal = Proposal.empty(sequence.device)
+        config = sequence.config
+        result.tree, confidences = sequence.drafter.draft_tree(sequence.draft_state, sequence.last_token, depth,
+                                                               config.tree_budget, config.tree_top_k)
+        result.confidences = confidences if adaptive else None
+        return result
+    result.proposal = Proposal.empty(sequence.device)
     if depth > 0:
-        proposal = sequence.drafter.propose(sequence.draft_state, sequence.last_token, depth, sequence.sampling,
-                                            sequence.generator)
-    result = Draft(VerifyBlock([sequence.last_token], sequence.position), proposal, drafting_began=began)
-    policy = sequence.width_policy
-    if policy is not None and len(proposal.tokens) > 0:
-        result.verifying_began = wall_clock(sequence.device)
-        confidences = proposal.confidences()
-        width = policy.choose(confidences)
-        sequence.widths.append(width)
-        result.proposal, result.confidences = proposal.truncated(width - 1), confidences[: width - 1]
-    result.block.tokens += result.proposal.tokens.tolist()
+        result.proposal = sequence.drafter.propose(sequence.draft_state, sequence.last_token, depth,
+                                                   sequence.sampling, sequence.generator)
+        result.confidences = result.proposal.confidences() if adaptive and result.size > 0 else None
     return result
 
 
-def _draft_tree(sequence: Sequence, depth: int, began: float) -> Draft:
-    """The drafter's token tree (with an adaptive width: as many of its nodes as pay)."""
-    config = sequence.config
-    tree, confidences = sequence.drafter.draft_tree(sequence.draft_state, sequence.last_token, depth,
-                                                    config.tree_budget, config.tree_top_k)
-    result = Draft(VerifyBlock([sequence.last_token], sequence.position), drafting_began=began)
-    policy = sequence.width_policy
-    if policy is not None:
-        result.verifying_began = wall_clock(sequence.device)
-        result.confidences = confidences
-        tree = tree.first(policy.choose_tree_size(confidences, tree.parents))
-        sequence.widths.append(len(tree) + 1)
-    result.block.tokens += tree.tokens
-    result.block.tree = tree
-    return result
+def fit_widths(groups, sequences: list[Sequence], drafts: list[Draft]) -> None:
+    """Each policy cuts the drafts of its rows to the one width that pays best for the whole forward."""
+    for policy, members in groups:
+        chosen = [i for i in members if drafts[i].confidences is not None]
+        if not chosen:
+            continue
+        others = [d.size + 1 for i, d in enumerate(drafts) if i not in members]
+        expected = [_expected_tokens(policy, drafts[i]) for i in chosen]
+        width = policy.choose_width(expected, batch=len(drafts), floor=max(others, default=1))
+        for i in chosen:
+            drafts[i].cut(min(width, drafts[i].size + 1))
+            sequences[i].widths.append(drafts[i].size + 1)
+
+
+def _expected_tokens(policy: AdaptiveWidth, drafted: Draft) -> list[float]:
+    if drafted.tree is not None:
+        return policy.expected_tree_tokens(drafted.confidences, drafted.tree.parents)
+    return policy.expected_tokens(drafted.confidences)
 
 
 def accept(sequence: Sequence, drafted: Draft, out: TargetOutput) -> Verdict:
-    """The verifier's decision on one sequence's block; the width policy learns from it."""
-    sampling, generator = sequence.sampling, sequence.generator
+    """The verifier's decision on one sequence's block."""
     if drafted.tree is not None:
-        verdict = verify_tree(drafted.tree, out.scores, sampling, generator)
-    else:
-        proposal = drafted.proposal
-        verdict = verify_chain(proposal.tokens, out.scores, sampling, proposal.probs, generator)
-    if drafted.confidences is not None:
-        _observe(sequence, drafted, verdict)
-    return verdict
+        return verify_tree(drafted.tree, out.scores, sequence.sampling, sequence.generator)
+    proposal = drafted.proposal
+    return verify_chain(proposal.tokens, out.scores, sequence.sampling, proposal.probs, sequence.generator)
 
 
 def commit(sequence: Sequence, drafted: Draft, verdict: Verdict, out: TargetOutput) -> Step:
@@ -151,15 +177,25 @@ def commit(sequence: Sequence, drafted: Draft, verdict: Verdict, out: TargetOutp
     return sequence.record(step, decode=True)
 
 
-def _observe(sequence: Sequence, drafted: Draft, verdict: Verdict) -> None:
-    policy = sequence.width_policy
-    verify_seconds = wall_clock(sequence.device) - drafted.verifying_began
-    draft_seconds = drafted.verifying_began - drafted.drafting_began
+def learn_widths(groups, sequences: list[Sequence], drafts: list[Draft], verdicts: list[Verdict], steps: list[Step],
+                 *, draft_seconds: float, verify_seconds: float) -> None:
+    """Each policy learns from its rows' verdicts, and from the step's times if its rows drafted."""
+    width = max(d.block.width for d in drafts)
+    tokens = sum(len(step.tokens) for step in steps)
+    for policy, members in groups:
+        drafted = [i for i in members if drafts[i].confidences is not None]
+        for i in drafted:
+            _observe_verdict(policy, drafts[i], verdicts[i])
+        if drafted:
+            policy.observe_step(rows=len(drafted), batch=len(drafts), width=width, tokens=tokens,
+                                draft_seconds=draft_seconds, verify_seconds=verify_seconds)
+
+
+def _observe_verdict(policy: AdaptiveWidth, drafted: Draft, verdict: Verdict) -> None:
     if drafted.tree is not None:
-        levels = drafted.tree.walked_levels(list(verdict.path), drafted.confidences)
-        policy.observe_tree(levels, verify_seconds, drafted.block.width, draft_seconds)
+        policy.observe_tree(drafted.tree.walked_levels(list(verdict.path), drafted.confidences))
     else:
-        policy.observe(drafted.confidences, verdict.num_accepted, verify_seconds, drafted.block.width, draft_seconds)
+        policy.observe(drafted.confidences, verdict.num_accepted)
 
 
 def _first_token(scores: TargetScores, sequence: Sequence) -> int:

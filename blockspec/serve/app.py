@@ -43,20 +43,21 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     authentication of /v1. Each key is a tenant of its own: a drafter that copies earlier answers
     (suffix) copies only from answers given under the same key.
 
-    ``decoding`` sets the verify width and token tree of every request; with the adaptive width,
-    or a batch of one, requests are decoded one at a time through the ``generate`` loop. A request body
-    over ``max_request_bytes`` is answered 413 without being read further.
+    ``decoding`` sets the verify width and token tree of every request (naming neither: what ``blockspec
+    generate`` uses, for a one-pass drafter the adaptive width over a token tree, chosen per step for the
+    whole batch); with a batch of one, requests are decoded one at a time through the ``generate`` loop.
+    A request body over ``max_request_bytes`` is answered 413 without being read further.
     """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
     if max_request_bytes < 1:
         raise BlockspecError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     api_keys = api_key_list(api_keys)
-    decoding = decoding or DecodingOptions()
+    decoding = (decoding or DecodingOptions()).for_drafter(drafter)
     check_decoding(target.model, drafter, decoding)
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
-                           metrics=metrics, per_sequence=one_at_a_time(decoding, max_batch_size),
+                           metrics=metrics, per_sequence=one_at_a_time(max_batch_size),
                            compile=decoding.compile)
 
     @asynccontextmanager
@@ -83,10 +84,10 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_que
     return app
 
 
-def one_at_a_time(decoding: DecodingOptions, max_batch_size: int) -> bool:
-    """Whether requests go through the ``generate`` loop one after another: the adaptive width calibrates on
-    one sequence, and with no batch to share the loop's compiled graphs serve best."""
-    return decoding.per_sequence or max_batch_size == 1
+def one_at_a_time(max_batch_size: int) -> bool:
+    """Whether requests go through the ``generate`` loop one after another: with no batch to share, the
+    loop's compiled graphs serve best."""
+    return max_batch_size == 1
 
 
 def check_decoding(model, drafter, decoding: DecodingOptions) -> None:

@@ -10,10 +10,10 @@ asyncio queue, fed with ``loop.call_soon_threadsafe``.
 are matched there, on the text: a piece that could begin a stop string is held back until
 the next tokens show whether it does.
 
-The engine is a ``BatchEngine`` (rows verified together, each a chain of a fixed width or a token
-tree of its own), or, when the server chooses widths adaptively or serves one request at a time
-anyway, a ``SequentialEngine`` (the ``generate`` loop, with its compiled graphs, one request
-after another).
+The engine is a ``BatchEngine`` (rows verified together, each a chain or a token tree of its own,
+cut each step to the width that pays best for the whole batch under the adaptive width), or, when
+the server serves one request at a time anyway (a batch of one), a ``SequentialEngine`` (the
+``generate`` loop, with its compiled graphs, one request after another).
 
 A request's tokens are read from its row after every step (not from the step's events), so a
 row that is prefilled and finishes within one step keeps all its tokens. One request's failure
@@ -35,8 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
 
 from blockspec.decoding.batch import BatchEngine, Row
-from blockspec.decoding.policy import AUTO
-from blockspec.decoding.sequence import GenerationConfig, GenerationStats
+from blockspec.decoding.sequence import GenerationConfig, GenerationStats, preferred_decoding
 from blockspec.decoding.sequential import SequentialEngine
 from blockspec.decoding.text import Detokenizer
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
@@ -57,10 +56,11 @@ class DecodingOptions:
     #: one request at a time runs its compiled graphs.
     compile: str = "off"
 
-    @property
-    def per_sequence(self) -> bool:
-        """The adaptive width calibrates on one sequence's steps: no shared batched verify."""
-        return self.block_size == AUTO
+    def for_drafter(self, drafter) -> "DecodingOptions":
+        """With neither a width nor a tree named: what ``blockspec generate`` verifies for this drafter (for a
+        one-pass drafter, the adaptive width over a token tree: ``preferred_decoding``)."""
+        config = preferred_decoding(drafter, GenerationConfig(**self.config_fields()))
+        return replace(self, block_size=config.block_size, tree_budget=config.tree_budget)
 
     def config_fields(self) -> dict:
         return {"block_size": self.block_size, "tree_budget": self.tree_budget, "tree_top_k": self.tree_top_k,
@@ -163,6 +163,10 @@ class ServingEngine:
             submission.done = True
             self._commands.put(("cancel", submission))
 
+    def prepare(self, config: GenerationConfig, say=None) -> None:
+        """Before serving: what requests under ``config`` need ready (compiled graphs, the batch's T(B, w))."""
+        self.engine.prepare(config, say=say)
+
     def start(self) -> None:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="blockspec-engine", daemon=True)
@@ -229,9 +233,11 @@ class ServingEngine:
             log.exception("engine step failed")
             self._recover(running, error)
             return
-        for size in self.engine.batch_sizes:  # none when the step only prefilled
+        for size, width in zip(self.engine.batch_sizes, self.engine.verify_widths):  # none when it only prefilled
             self.metrics.batch_size.observe(size)
+            self.metrics.verify_width.observe(width)
         self.engine.batch_sizes.clear()  # a server steps for ever: keep the figures in the histogram only
+        self.engine.verify_widths.clear()
         stepped = {event.row.id for event in events}
         for submission in running:
             if submission.row.id in stepped:

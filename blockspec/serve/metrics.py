@@ -15,6 +15,7 @@ KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/he
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TAU_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+_WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
 def endpoint_label(path: str) -> str:
@@ -36,6 +37,9 @@ class ServerMetrics:
                              "finished request", buckets=_TAU_BUCKETS, registry=r)
         self.batch_size = Histogram("blockspec_batch_size", "Rows in each batched verify forward",
                                     buckets=_BATCH_BUCKETS, registry=r)
+        self.verify_width = Histogram("blockspec_verify_width", "Tokens per row in each verify forward (the last "
+                                      "token and the drafts verified; 1: no drafting)", buckets=_WIDTH_BUCKETS,
+                                      registry=r)
         self.active_rows = Gauge("blockspec_active_rows", "Rows in the running batch", registry=r)
         self.queue_depth = Gauge("blockspec_queue_depth", "Requests waiting to join the batch", registry=r)
         self.in_flight = Gauge("blockspec_requests_in_flight", "Requests accepted and not finished", registry=r)
