@@ -548,3 +548,56 @@ def test_a_body_under_the_limit_is_answered(small_limit):
     target_name = httpx.get(f"{small_limit}/v1/models").json()["data"][0]["id"]
     body = {"model": target_name, "prompt": "hello", "max_tokens": 2, "temperature": 0}
     assert post(small_limit, "completions", body).status_code == 200
+
+
+# -- parameters the server does not implement: refused by name, never ignored ------------------------------
+
+@pytest.mark.parametrize("endpoint,param,value", [
+    ("chat/completions", "logprobs", True), ("chat/completions", "top_logprobs", 2),
+    ("completions", "logprobs", 1), ("completions", "echo", True), ("completions", "suffix", "end"),
+    ("completions", "best_of", 2), ("chat/completions", "presence_penalty", 0.5),
+    ("chat/completions", "frequency_penalty", -1.0), ("chat/completions", "logit_bias", {"5": 10}),
+    ("chat/completions", "response_format", {"type": "json_object"}),
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("chat/completions", "tool_choice", "required"), ("chat/completions", "min_p", 0.1),
+    ("chat/completions", "bad_words", ["no"]), ("chat/completions", "repetition_penalty", 1.2),
+    ("chat/completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["a", "b"]),
+    ("chat/completions", "functions", [{"name": "f"}]),
+])
+def test_a_parameter_the_server_would_ignore_is_refused_by_name(served, endpoint, param, value):
+    url, target = served
+    body = {"model": target.name, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    error = openai_error(post(url, endpoint, {**body, param: value}), 400)
+    assert error["param"] == param and error["code"] == "unsupported_parameter" and param in error["message"]
+
+
+def test_neutral_values_of_those_parameters_are_answered(served):
+    url, target = served
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+               "tools": [], "tool_choice": "none", "min_p": 0, "repetition_penalty": 1, "bad_words": [],
+               "logprobs": False, "top_logprobs": 0}
+    body = {"model": target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **neutral}
+    assert post(url, "chat/completions", body).status_code == 200
+    body = {"model": target.name, "prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "logprobs": None}
+    assert post(url, "completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("param,value", [("presence_penalty", 5), ("frequency_penalty", "abc"),
+                                         ("repetition_penalty", 0), ("min_p", 2), ("top_logprobs", 50),
+                                         ("stop_token_ids", [-1]), ("stop_token_ids", "7")])
+def test_out_of_range_values_of_them_are_a_400(served, param, value):
+    url, target = served
+    body = {"model": target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, param: value}
+    assert openai_error(post(url, "chat/completions", body), 400)["param"] == param
+
+
+def test_stop_token_ids_end_the_answer(served):
+    url, target = served
+    prompt = "Natalia sold clips"
+    ids = target.encode_prompt(prompt, use_chat_template=False)
+    free = greedy_tokens(target, ids, 12, stop=False)
+    body = {"model": target.name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [free[3]]}
+    answer = post(url, "completions", body).json()
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == free.index(free[3]) + 1

@@ -286,11 +286,15 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
     if body.n != 1:
         raise bad_request(f"n={body.n} is not supported: this server returns one choice per request",
                           param="n", code="unsupported_value")
+    unsupported = body.not_implemented()
+    if unsupported is not None:
+        raise bad_request(f"'{unsupported}' is not supported by this server: leave it out (or send its neutral "
+                          "value) rather than have it ignored", param=unsupported, code="unsupported_parameter")
     max_new_tokens = _token_limit(target, body, len(prompt_ids))
     if body.min_tokens > max_new_tokens:
         raise bad_request(f"min_tokens {body.min_tokens} is more than the {max_new_tokens} tokens this request may "
                           "generate: lower it or raise max_tokens", param="min_tokens", code="invalid_value")
-    stop_ids = () if body.ignore_eos else target.stop_token_ids()
+    stop_ids = (() if body.ignore_eos else tuple(target.stop_token_ids())) + _stop_token_ids(target, body)
     temperature, top_p, top_k = usable_sampling(body.temperature, body.top_p, body.top_k)
     try:
         # With min_tokens the rows decode past stop tokens; the request itself ends at the first one after.
@@ -301,6 +305,15 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
         raise bad_request(str(error), code="invalid_value") from error
     return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings(), min_tokens=body.min_tokens,
                            stop_token_ids=stop_ids, namespace=tenant)
+
+
+def _stop_token_ids(target: Target, body: SamplingFields) -> tuple[int, ...]:
+    """The request's own stop tokens (vLLM's ``stop_token_ids``), checked against the vocabulary."""
+    ids = tuple(body.stop_token_ids or ())
+    vocab = target.model.config.vocab_size
+    if any(t < 0 or t >= vocab for t in ids):
+        raise bad_request(f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids", code="invalid_value")
+    return ids
 
 
 def _token_limit(target: Target, body: SamplingFields, prompt_tokens: int) -> int:

@@ -1,16 +1,17 @@
 """Request bodies the server accepts, and errors in OpenAI's format.
 
 The models follow OpenAI's completions and chat completions APIs closely enough for its
-clients; fields blockspec does not implement (logprobs, tools, penalties...) are ignored
-rather than refused, as most OpenAI-compatible servers do, except ``n`` > 1, which would
-silently change the shape of the answer. Types are strict, as OpenAI's are: ``"stream":
+clients. Every OpenAI (and vLLM) parameter is typed and range-checked; one blockspec does not
+implement (logprobs, tools, penalties, logit bias, structured output...) is accepted only at its
+neutral value (``presence_penalty: 0``, ``tools: []``...) and refused by name otherwise
+(``NOT_IMPLEMENTED``): a request is never answered as if it had been honoured. Types are strict, as OpenAI's are: ``"stream":
 "yes"`` or ``true`` among token ids is refused rather than read as something else, and
 text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -82,6 +83,29 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     #: vLLM's: stop tokens do not end the answer before this many tokens.
     min_tokens: int = Field(0, ge=0)
+    #: vLLM's: token ids that end the answer (as the model's own stop tokens do).
+    stop_token_ids: list[int] | None = None
+    # Parameters not implemented: only their neutral values are accepted (``not_implemented``).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    bad_words: list[Text] | None = None
+    guided_json: Any = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def not_implemented(self) -> str | None:
+        """The first parameter given a value this server would have to ignore (None: none)."""
+        for name, neutral in NOT_IMPLEMENTED.items():
+            value = getattr(self, name, None)
+            if value is not None and not neutral(value):
+                return name
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -97,6 +121,9 @@ class CompletionRequest(SamplingFields):
 
     prompt: Text | list[Text] | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: Text | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -127,8 +154,40 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Text | dict[str, Any] | None = None
 
     @property
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (the newer name) wins over ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+#: Parameters blockspec does not implement, each with the test of its neutral value (what the request
+#: means without it); any other value is refused with a 400 naming the parameter.
+NOT_IMPLEMENTED = {
+    "logprobs": lambda v: not v,
+    "top_logprobs": lambda v: v == 0,
+    "echo": lambda v: not v,
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1,
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "min_p": lambda v: v == 0,
+    "logit_bias": lambda v: not v,
+    "bad_words": lambda v: not v,
+    "response_format": lambda v: v.get("type") == "text",
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: not v,
+    "function_call": lambda v: v == "none",
+}
