@@ -183,6 +183,15 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes():
     assert all(policy.should_draft() for _ in range(5))
 
 
+def test_drafting_that_lags_in_a_large_batch_goes_on_in_a_small_one():
+    policy = AdaptiveWidth(CostModel([1.0, 1.5]))
+    for _ in range(5):  # 8 rows: 8 tokens in 13 s, where a plain step of 8 rows gives 8 in about 5 s
+        policy.observe_step(rows=8, batch=8, width=2, tokens=8, draft_seconds=1.0, verify_seconds=12.0)
+    assert sorted(policy.speedups) == [8] and policy.speedups[8] < 1
+    assert policy.should_draft(batch=1) and policy.should_draft(batch=2)
+    assert [policy.should_draft(batch=9) for _ in range(PROBE_EVERY)].count(True) == 1  # 9 rows: the 8s' figure
+
+
 def test_probes_that_keep_failing_come_ever_more_rarely_until_drafting_pays_again():
     policy = AdaptiveWidth(CostModel([1.0, 1.5]))
     observe(policy, [0.1], 0, verify_seconds=1.5, width=2, draft_seconds=0.5)  # does not pay

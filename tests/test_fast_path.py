@@ -271,3 +271,28 @@ def test_batched_rows_through_the_fast_path_equal_rows_decoded_alone(world, meth
     assert type(engine.target).__name__ == "StaticBatchTarget" and max(engine.batch_sizes) == 3
     for (ids, expected), config, row in zip(references, configs, rows):
         assert row.token_ids == decode(target, ids, drafter, config).token_ids
+
+
+def test_the_batch_cache_follows_the_rows_decoding(world):
+    """Rows that may ask for long answers do not reserve them: the static cache grows as the longest row needs,
+    keeps every row's tokens identical to decoding alone, and shrinks back once the long rows have left."""
+    from blockspec.decoding.batch import BatchEngine
+    from blockspec.decoding.static_cache import MIN_CAPACITY
+
+    target, references = world
+    engine = BatchEngine(target, None, max_batch_size=3, compile="on")
+    long_ids, long_expected = references[0]
+    long_config = GenerationConfig(max_new_tokens=MIN_CAPACITY + 40)
+    short = [engine.add(ids, GenerationConfig(max_new_tokens=4, stop_token_ids=(expected[3],)))
+             for ids, expected in references[1:3]]
+    engine.step()
+    assert engine.target.cache.capacity == MIN_CAPACITY  # 4 tokens wanted, nothing reserved for more
+    long_row = engine.add(long_ids, long_config)
+    capacities = []
+    while engine.has_work:
+        engine.step()
+        capacities.append(engine.target.cache.capacity)
+    assert max(capacities) > MIN_CAPACITY and capacities[-1] == MIN_CAPACITY  # grown for the long row, then freed
+    assert long_row.token_ids == decode(target, long_ids, None, long_config).token_ids
+    for (ids, expected), row in zip(references[1:3], short):
+        assert row.token_ids == expected[:len(row.token_ids)]

@@ -410,3 +410,51 @@ def test_each_api_key_copies_only_from_its_own_answers(tiny_target_dir):
         index = store.indexes[tenant_of(key)]
         kept = [index.sequence(sequence) for sequence in range(4) if sequence in index]
         assert len(kept) == 2 and all(answer[:len(prompt)] == prompt for answer in kept)
+
+
+def test_the_serve_command_decodes_in_its_main_thread_and_stops_on_sigterm(tiny_target_dir, tiny_draft_dir,
+                                                                           tmp_path):
+    """`blockspec serve` runs the engine in the process's main thread and uvicorn beside it: it answers with the
+    greedy tokens of `generate`, says what it verifies, and SIGTERM ends it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from blockspec.decoding.generate import speculative_generate
+    from blockspec.decoding.sequence import GenerationConfig
+    from blockspec.models.target import load_target
+    from helpers import free_port
+
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    env = {**os.environ, "BLOCKSPEC_HOME": str(tmp_path / "home")}
+    process = subprocess.Popen([sys.executable, "-m", "blockspec.cli", "serve", "--target", str(tiny_target_dir),
+                                "--draft", str(tiny_draft_dir), "--port", str(port), "--log-level", "warning"],
+                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0}
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()
+    said = (tmp_path / "serve.log").read_text()
+    assert "the adaptive width over a 16-node token tree, batches of up to 8" in said
+    target = load_target(str(tiny_target_dir))
+    stream = speculative_generate(target.model, target.encode_prompt(PROMPTS[0], use_chat_template=False), None,
+                                  GenerationConfig(max_new_tokens=10, stop_token_ids=target.stop_token_ids()))
+    list(stream)
+    assert text == target.tokenizer.decode(stream.token_ids, skip_special_tokens=True)

@@ -68,8 +68,40 @@ def run_serve(args) -> int:
     how = "one request at a time" if one_at_a_time(args.max_batch_size) else f"batches of up to {args.max_batch_size}"
     print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, "
           f"{verify_shape(decoding)}, {how}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return serve_from_main_thread(app, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+
+
+def serve_from_main_thread(app, config) -> int:
+    """uvicorn in a thread of its own, the decoding engine in this (the main) thread: torch's CPU thread pool
+    runs at full speed only in the thread that first used it. Ctrl-C or SIGTERM stops both."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(config)
+    web = threading.Thread(target=server.run, name="blockspec-http", daemon=True)
+    engine = app.state.engine
+    engine.claim_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    web.start()
+    try:
+        engine.run_here(keep_going=web.is_alive)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.should_exit = True
+        engine.stop()
+        web.join(30)
+    if not server.started:
+        print("blockspec: the HTTP server did not start (see the error above)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def verify_shape(decoding) -> str:

@@ -285,7 +285,7 @@ class BatchEngine:
         while self.waiting and len(self.rows) < self.max_batch_size:
             row = self.waiting.popleft()
             sequence = row.sequence
-            self.target.reserve(sequence.input_ids.shape[1] + sequence.max_new_tokens + 1)
+            self.target.reserve(sequence.input_ids.shape[1] + 1)  # the prefill; verify grows the cache as needed
             step = prefill_step(self.target, sequence)
             row.stats.time_to_first_token = row.stats.total_time = wall_clock(self.device) - row.submitted_at
             self.rows.append(row)

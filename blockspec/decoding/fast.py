@@ -252,7 +252,6 @@ class StaticTarget:
     def __init__(self, fast: FastForward, length: int):
         self.fast = fast
         self.cache = fast.new_cache(length)
-        self._pending: VerifyBlock | None = None
 
     def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
         logits, features = self.fast.prefill(self.cache, 0, input_ids)
@@ -263,14 +262,12 @@ class StaticTarget:
         parents = block.tree.parents if block.tree is not None else None
         logits, features = self.fast.verify(self.cache, [block.tokens], [block_visibility(block.width, parents)],
                                             [self.cache.lengths[0]])
-        self._pending = block
         width = block.width
         return [TargetOutput(TargetScores(logits[0, :width]), None if features is None else features[:, :width])]
 
     def keep(self, kept_rows: list[list[int]]) -> None:
         (rows,) = kept_rows
         self.cache.keep(0, rows)
-        self._pending = None
 
 
 class StaticBatchTarget:
@@ -279,6 +276,8 @@ class StaticBatchTarget:
     A new row is prefilled into the next free slot; a leaving row's slot is refilled by moving the last
     row into it, so the active rows are always the first ones and a forward runs over exactly them.
     Rows keep their own lengths (their own columns), so nothing is ever left-padded or compacted.
+    The cache grows (by doubling) as the longest row needs, and shrinks back when the rows that needed
+    it leave, so memory follows the rows decoding rather than the longest answer a request may ask for.
     Runs eagerly (oneDNN-packed on a CPU): a batch's row count changes step to step.
     """
 
@@ -287,7 +286,6 @@ class StaticBatchTarget:
         self.max_batch_size = max_batch_size
         self.cache = fast.new_cache(0, batch=max_batch_size)
         self.rows = 0
-        self._pending: list[VerifyBlock] = []
 
     @property
     def path(self) -> str:
@@ -307,7 +305,7 @@ class StaticBatchTarget:
         """Make room for a row of up to ``length`` positions (the cache grows; rows keep their entries)."""
         needed = self.fast.capacity(length)
         if needed > self.cache.capacity:
-            self.cache = self.cache.grown(needed)
+            self.cache = self.cache.resized(needed)
 
     def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
         row = self.rows
@@ -316,11 +314,11 @@ class StaticBatchTarget:
         return TargetOutput(TargetScores(logits[0]), features)
 
     def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
+        self.reserve(max(b.start + b.width for b in blocks))
         view = self.cache.leading(len(blocks))
         visibilities = [block_visibility(b.width, b.tree.parents if b.tree is not None else None) for b in blocks]
         logits, features = self.fast.verify(view, [b.tokens for b in blocks], visibilities,
                                             [b.start for b in blocks])
-        self._pending = blocks
         return [TargetOutput(TargetScores(logits[r, :b.width]),
                              None if features is None else features[r:r + 1, :b.width])
                 for r, b in enumerate(blocks)]
@@ -328,14 +326,20 @@ class StaticBatchTarget:
     def keep(self, kept_rows: list[list[int]]) -> None:
         for row, rows in enumerate(kept_rows):
             self.cache.keep(row, rows)
-        self._pending = []
 
     def keep_sequences(self, indices: list[int]) -> None:
-        """Only these rows (by index, in order) go on; the others leave their slots."""
+        """Only these rows (by index, in order) go on; the others leave their slots, and the cache shrinks to
+        what the rows left need once that is half of it or less (it only shrinks when rows leave, so it
+        cannot swing back and forth step by step)."""
         for slot, row in enumerate(indices):
             if row != slot:
                 self.cache.move_row(row, slot)
         self.rows = len(indices)
+        for slot in range(self.rows, self.cache.batch):
+            self.cache.lengths[slot] = 0
+        needed = self.fast.capacity(max(self.cache.lengths[:self.rows], default=0))
+        if 2 * needed <= self.cache.capacity:
+            self.cache = self.cache.resized(needed)
 
 
 #: Graphs one compiled function may hold: a width bucket per batch size and cache capacity.

@@ -119,17 +119,19 @@ class AdaptiveWidth:
         self.calibrator = calibrator or AcceptanceCalibrator()
         #: Running seconds one row's drafting takes.
         self.draft_seconds: float | None = None
-        #: Running speed of the steps that drafted over plain one-token steps of the same batch.
-        self.speedup: float | None = None
+        #: Running speed of the steps that drafted over plain one-token steps of the same batch, per batch size
+        #: (rounded down to a power of two): drafting that pays for one row may not for sixteen.
+        self.speedups: dict[int, float] = {}
         self._skipped = 0
         self._probe_gap = PROBE_EVERY
         self._probing = False
 
-    def should_draft(self) -> bool:
-        """Whether to draft this step: no when drafting has paid less than one-token steps, but every
-        ``PROBE_EVERY``-th step anyway, a gap that doubles with each probe that still does not pay.
-        (Skipping only makes the step plain decoding.) Asked once a step, for every row it serves."""
-        if not self._drafting_lags():
+    def should_draft(self, batch: int = 1) -> bool:
+        """Whether to draft this step of ``batch`` rows: no when drafting has paid less than one-token steps at
+        this batch size, but every ``PROBE_EVERY``-th step anyway, a gap that doubles with each probe that
+        still does not pay. (Skipping only makes the step plain decoding.) Asked once a step, for every row
+        it serves."""
+        if not self._drafting_lags(batch):
             return True
         self._skipped += 1
         if self._skipped >= self._probe_gap:
@@ -138,8 +140,9 @@ class AdaptiveWidth:
             return True
         return False
 
-    def _drafting_lags(self) -> bool:
-        return self.speedup is not None and self.speedup < 1.0
+    def _drafting_lags(self, batch: int) -> bool:
+        speedup = self.speedups.get(batch_bucket(batch))
+        return speedup is not None and speedup < 1.0
 
     def expected_tokens(self, confidences) -> list[float]:
         """Expected tokens a verify of width w produces, for w = 1..len(confidences)+1."""
@@ -204,12 +207,19 @@ class AdaptiveWidth:
         if seconds <= 0:
             return
         speedup = (tokens / seconds) / (batch / self.costs(1, batch))
-        self.speedup = speedup if self.speedup is None else self.speedup + EMA_WEIGHT * (speedup - self.speedup)
-        if not self._drafting_lags():
+        bucket = batch_bucket(batch)
+        known = self.speedups.get(bucket)
+        self.speedups[bucket] = speedup if known is None else known + EMA_WEIGHT * (speedup - known)
+        if not self._drafting_lags(batch):
             self._probe_gap = PROBE_EVERY
         elif self._probing:
             self._probe_gap = min(2 * self._probe_gap, PROBE_AT_MOST)
         self._probing = False
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch sizes whose drafting speed is tracked together: the largest power of two <= ``batch``."""
+    return 1 << (max(batch, 1).bit_length() - 1)
 
 
 class WidthPolicies:

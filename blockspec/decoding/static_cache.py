@@ -97,15 +97,18 @@ class StaticKVCache:
             values[target] = values[source]
         self.lengths[target] = self.lengths[source]
 
-    def grown(self, capacity: int) -> "StaticKVCache":
-        """A copy with room for ``capacity`` columns (every row's entries and length kept)."""
+    def resized(self, capacity: int) -> "StaticKVCache":
+        """A copy with room for ``capacity`` columns, at least every row's length (entries and lengths kept)."""
+        if capacity < max(self.lengths, default=0):
+            raise ValueError(f"a cache of {capacity} columns cannot hold rows of {max(self.lengths)} positions")
         keys = self.keys[0]
         config = _CacheShape(len(self.keys), keys.shape[1], keys.shape[3])
-        bigger = StaticKVCache(config, self.batch, capacity, keys.dtype, keys.device)
-        for old, new in zip(self.keys + self.values, bigger.keys + bigger.values):
-            new[:, :, :self.capacity] = old
-        bigger.lengths = list(self.lengths)
-        return bigger
+        copy = StaticKVCache(config, self.batch, capacity, keys.dtype, keys.device)
+        kept = min(capacity, self.capacity)
+        for old, new in zip(self.keys + self.values, copy.keys + copy.values):
+            new[:, :, :kept] = old[:, :, :kept]
+        copy.lengths = list(self.lengths)
+        return copy
 
 
 class _CacheShape:

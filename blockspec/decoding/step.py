@@ -84,7 +84,7 @@ def decode_step(target: VerifyTarget, sequences: list[Sequence]) -> list[Step]:
     device = sequences[0].device
     began = wall_clock(device)
     groups = width_groups(sequences)
-    drafting = {id(policy): policy.should_draft() for policy, _ in groups}
+    drafting = {id(policy): policy.should_draft(len(sequences)) for policy, _ in groups}
     drafts = [draft(sequence, drafting.get(id(sequence.width_policy), True)) for sequence in sequences]
     fit_widths(groups, sequences, drafts)
     drafted = wall_clock(device)

@@ -1,7 +1,9 @@
 """The bridge between asyncio request handlers and the one decoding engine.
 
 A step is a blocking torch call, so the engine lives in ONE thread of its own that steps
-while there is work. Handlers never touch the engine: they send commands (add, cancel)
+while there is work (``blockspec serve`` runs it in the process's main thread and the web server
+in another: once the main thread has used torch's OpenMP pool, forwards in any other thread ran
+at half speed on a CPU). Handlers never touch the engine: they send commands (add, cancel)
 through a thread-safe queue, and the thread applies them between steps, so new requests
 join the running batch dynamically. Each request's tokens come back through its own
 asyncio queue, fed with ``loop.call_soon_threadsafe``.
@@ -112,6 +114,10 @@ class Submission:
             pass
 
 
+#: How often an idle engine looks up from its command queue (whether it should stop).
+_IDLE_CHECK_S = 0.5
+
+
 class ServingEngine:
     """Owns the ``BatchEngine`` thread; ``submit`` and ``cancel`` are called from the event loop."""
 
@@ -128,6 +134,8 @@ class ServingEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        #: Set while ``run_here`` decodes in the calling thread.
+        self._here = threading.Event()
         self._stopping = threading.Event()
 
     # -- the event-loop side -----------------------------------------------------------------
@@ -139,7 +147,7 @@ class ServingEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._here.is_set() or (self._thread is not None and self._thread.is_alive())
 
     def submit(self, input_ids: list[int], config: GenerationConfig, *, namespace: str | None = None) -> Submission:
         """Queue a request, or refuse it with 503 when ``max_queue`` requests are already in flight.
@@ -168,9 +176,26 @@ class ServingEngine:
         self.engine.prepare(config, say=say)
 
     def start(self) -> None:
+        """Decode in a thread of its own (nothing to do when ``run_here`` decodes in the caller's thread)."""
+        if self._here.is_set():
+            return
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="blockspec-engine", daemon=True)
         self._thread.start()
+
+    def claim_thread(self) -> None:
+        """The calling thread will decode (``run_here``): requests are accepted from now on."""
+        self._stopping.clear()
+        self._here.set()
+
+    def run_here(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        """Decode in the calling thread (after ``claim_thread``) until ``stop``, or until ``keep_going()``
+        turns false (checked at least every ``_IDLE_CHECK_S`` while idle)."""
+        self._here.set()
+        try:
+            self._run(keep_going)
+        finally:
+            self._here.clear()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -180,9 +205,9 @@ class ServingEngine:
 
     # -- the engine thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
         try:
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() and keep_going():
                 self._apply_commands(wait=not self.engine.has_work)
                 if self.engine.has_work and not self._stopping.is_set():
                     self._step()
@@ -195,7 +220,7 @@ class ServingEngine:
     def _apply_commands(self, wait: bool) -> None:
         """Apply every queued command; when idle, sleep until one arrives."""
         try:
-            command = self._commands.get() if wait else self._commands.get_nowait()
+            command = self._commands.get(timeout=_IDLE_CHECK_S) if wait else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
