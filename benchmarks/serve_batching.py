@@ -73,7 +73,8 @@ class Server:
     def __init__(self, options: list[str], port: int, log: Path):
         self.url = f"http://127.0.0.1:{port}"
         self.log = log.open("w")
-        command = [sys.executable, "-m", "blockspec.cli", "serve", "--port", str(port), *options]
+        command = [sys.executable, "-m", "blockspec.cli", "serve", "--port", str(port), "--log-level", "warning",
+                   *options]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.started = time.perf_counter()
         while True:
@@ -110,6 +111,13 @@ class Server:
                 "p95_latency": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
                 "texts": [a["text"] for a in answers]}
 
+    def rss_mb(self) -> float:
+        """The server process's resident memory."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text
 
@@ -134,8 +142,11 @@ def measure_server(name: str, args, prompts: dict[str, list[str]], out: Path) ->
     try:
         server.ask(prompts["gsm8k"][0], 8)  # warm
         alone = [server.ask(p, args.max_tokens)["seconds"] for p in prompts["gsm8k"][:3]]
-        result = {"startup_seconds": server.startup_seconds, "alone_latency": statistics.median(alone)}
+        result = {"startup_seconds": server.startup_seconds, "alone_latency": statistics.median(alone),
+                  "rss_idle_mb": server.rss_mb()}
         result["burst"] = server.many(prompts["gsm8k"][:args.burst], args.burst, args.max_tokens)
+        time.sleep(2)
+        result["rss_after_burst_mb"] = server.rss_mb()
         print(f"{name}: burst of {args.burst} in {result['burst']['seconds']:.1f} s", flush=True)
         if name != "one-at-a-time":
             for level in args.concurrency:
@@ -174,7 +185,8 @@ def report(results: dict, args) -> None:
               f"{burst['seconds']:.1f} s, p95 {burst['p95_latency']:.1f} s "
               f"({burst['p95_latency'] / result['alone_latency']:.1f}x alone), {burst['tokens_per_s']:.1f} tok/s; "
               f"identical to AR: {same}/{burst['requests']}; mean batch {result['mean_batch_size']}, "
-              f"width {result['mean_verify_width']}, tau {result['mean_tau']}")
+              f"width {result['mean_verify_width']}, tau {result['mean_tau']}; RSS idle "
+              f"{result['rss_idle_mb']:.0f} MB, after the burst {result['rss_after_burst_mb']:.0f} MB")
         for key in sorted(k for k in result if "@" in k):
             line = f"  {key}: {result[key]['tokens_per_s']:.1f} tok/s"
             if reference is not None and key in reference and name != "ar":

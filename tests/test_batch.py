@@ -11,7 +11,16 @@ from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
 from blockspec.decoding.policy import WidthPolicies
-from helpers import FixedCosts, decode, make_causal_lm, make_dflash, make_recursive, perturbed_copy, prompts, repetitive_prompts
+from helpers import (
+    FixedCosts,
+    decode,
+    make_causal_lm,
+    make_dflash,
+    make_recursive,
+    perturbed_copy,
+    prompts,
+    repetitive_prompts,
+)
 
 NUM_PROMPTS = 8
 METHODS = ["ar", "dflash", "dflash-reduced", "eagle3", "mtp", "ngram", "draft"]

@@ -452,7 +452,7 @@ def test_the_serve_command_decodes_in_its_main_thread_and_stops_on_sigterm(tiny_
             process.kill()
         log.close()
     said = (tmp_path / "serve.log").read_text()
-    assert "the adaptive width over a 16-node token tree, batches of up to 8" in said
+    assert "the adaptive width over a 16-node token tree, batches of up to 16" in said
     target = load_target(str(tiny_target_dir))
     stream = speculative_generate(target.model, target.encode_prompt(PROMPTS[0], use_chat_template=False), None,
                                   GenerationConfig(max_new_tokens=10, stop_token_ids=target.stop_token_ids()))

@@ -29,7 +29,8 @@ def add_serve_command(commands) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
+    parser.add_argument("--max-batch-size", type=int, default=16,  # serve.engine.DEFAULT_MAX_BATCH_SIZE (loads torch)
+                        help="rows decoded together (default 16; the KV cache grows only as the rows decoding need)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests in flight (waiting + decoding) before new ones get 503 (default 64)")
     parser.add_argument("--api-key", action="append", default=None,
@@ -67,7 +68,7 @@ def run_serve(args) -> int:
         f"blockspec: {text}", file=sys.stderr))
     how = "one request at a time" if one_at_a_time(args.max_batch_size) else f"batches of up to {args.max_batch_size}"
     print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, "
-          f"{verify_shape(decoding)}, {how}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+          f"{verify_shape(decoding, drafter)}, {how}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
     return serve_from_main_thread(app, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
 
 
@@ -83,14 +84,16 @@ def serve_from_main_thread(app, config) -> int:
     web = threading.Thread(target=server.run, name="blockspec-http", daemon=True)
     engine = app.state.engine
     engine.claim_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     web.start()
     try:
         engine.run_here(keep_going=web.is_alive)
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         server.should_exit = True
         engine.stop()
         web.join(30)
@@ -104,8 +107,10 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def verify_shape(decoding) -> str:
+def verify_shape(decoding, drafter) -> str:
     """What each step verifies, in words."""
+    if drafter is None:
+        return "one token a step"
     width = "the adaptive width" if decoding.block_size == "auto" else (
         "the drafter's width" if decoding.block_size is None else f"width {decoding.block_size}")
     return width + (f" over a {decoding.tree_budget}-node token tree" if decoding.tree_budget else "")

@@ -136,7 +136,8 @@ class FastForward:
         def measure(model, max_width):
             if self.progress is not None:
                 self.progress(f"measuring the target's forward time at widths 1..{max_width} ({self.path})")
-            return measure_costs(model, max_width, new_target=lambda: StaticTarget(self, MEASURED_CONTEXT + max_width + 1))
+            length = MEASURED_CONTEXT + max_width + 1
+            return measure_costs(model, max_width, new_target=lambda: StaticTarget(self, length))
 
         return cost_model_for(model, widest, measure=measure, path=self.path)
 

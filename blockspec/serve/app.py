@@ -25,7 +25,13 @@ from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, re
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.auth import APIKeyGuard, api_key_list
-from blockspec.serve.engine import DecodingOptions, Generation, PreparedRequest, ServingEngine
+from blockspec.serve.engine import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DecodingOptions,
+    Generation,
+    PreparedRequest,
+    ServingEngine,
+)
 from blockspec.serve.limits import MAX_REQUEST_BYTES, BodySizeLimit, check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
 from blockspec.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request
@@ -36,7 +42,8 @@ log = logging.getLogger("blockspec.serve")
 _DEFAULT_CHAT_TOKENS = 4096
 
 
-def create_app(target: Target, drafter=None, *, max_batch_size: int = 8, max_queue: int = 64,
+def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+               max_queue: int = 64,
                api_keys: str | Sequence[str] | None = None, decoding: DecodingOptions | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving ``target`` under its name; ``api_keys`` (one or several) turn on Bearer

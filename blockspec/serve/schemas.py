@@ -4,9 +4,9 @@ The models follow OpenAI's completions and chat completions APIs closely enough 
 clients. Every OpenAI (and vLLM) parameter is typed and range-checked; one blockspec does not
 implement (logprobs, tools, penalties, logit bias, structured output...) is accepted only at its
 neutral value (``presence_penalty: 0``, ``tools: []``...) and refused by name otherwise
-(``NOT_IMPLEMENTED``): a request is never answered as if it had been honoured. Types are strict, as OpenAI's are: ``"stream":
-"yes"`` or ``true`` among token ids is refused rather than read as something else, and
-text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
+(``NOT_IMPLEMENTED``): a request is never answered as if it had been honoured. Types are strict,
+as OpenAI's are: ``"stream": "yes"`` or ``true`` among token ids is refused rather than read as
+something else, and text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
 """
 
 from __future__ import annotations
