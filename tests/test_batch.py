@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from blockspec.decoding.batch import BatchEngine, batch_generate
+from blockspec.decoding.policy import WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.draft_lm import DraftModelDrafter
 from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
-from blockspec.decoding.policy import WidthPolicies
 from helpers import (
     FixedCosts,
     decode,

@@ -1,11 +1,13 @@
 """The one speculative step every driver runs: draft -> verify in one target forward -> accept -> commit.
 
     prefill_step:  the prompt enters the target's cache; its first token; the drafter starts.
-    decode_step:   each sequence drafts (a chain, cut to the width its policy chooses, or a token
-                   tree); ONE target forward verifies every sequence's block; the verifier accepts
+    decode_step:   each sequence drafts (a chain or a token tree); an adaptive-width policy cuts the
+                   drafts of the rows it serves to the one width that pays best for the whole
+                   forward; ONE target forward verifies every sequence's block; the verifier accepts
                    a prefix (or a tree path) and the target's next token; the target keeps the
                    accepted rows (``VerifyTarget.keep``, the rollback); the drafter commits them
-                   with the target's features there.
+                   with the target's features there; the policies learn from the verdicts and the
+                   step's times.
     end_sequence:  the drafter sees the whole answer (what a drafter that copies keeps).
 
 The single-sequence stream, the batch engine and replay differ only in the ``VerifyTarget``
