@@ -247,7 +247,9 @@ def bad_requests(model):
         ("chat/completions", {**chat, "max_completion_tokens": 100_000}, 400, "max_completion_tokens"),
         ("completions", {**text, "prompt": [5] * 600}, 400, "prompt"),
         ("completions", {**text, "prompt": "   "}, 400, "prompt"),
-        ("completions", {**text, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("completions", {**text, "prompt": ["a", "b"], "stream": True}, 400, "prompt"),
+        ("completions", {**text, "prompt": ["a", "   "]}, 400, "prompt[1]"),
+        ("completions", {**text, "prompt": [[5, 6], [-1]]}, 400, "prompt[1]"),
         ("chat/completions", {**chat, "temperature": -0.5}, 400, "temperature"),
         ("chat/completions", {**chat, "top_p": 0}, 400, "top_p"),
         ("chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
@@ -266,6 +268,34 @@ def test_bad_requests_get_4xx_with_openai_error_bodies(served):
             assert_openai_error(response, status, param)
         assert_openai_error(client.get("/no-such-endpoint"), 404)
     assert served.engine.in_flight == 0
+
+
+def test_several_prompts_are_answered_as_choices_of_one_body(served):
+    """A list of texts or of token-id lists: each prompt decodes in the batch and answers as its own choice,
+    as the same prompt sent alone does."""
+    texts = PROMPTS[:3]
+    body = {"model": served.model, "prompt": texts, "max_tokens": 10, "temperature": 0}
+    answer = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    alone = [complete(served, text) for text in texts]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in answer["choices"]] == [text for text, _ in alone]
+    assert answer["usage"]["completion_tokens"] == sum(tokens for _, tokens in alone)
+    ids = [served.target.encode_prompt(text, use_chat_template=False) for text in texts[:2]]
+    by_ids = httpx.post(f"{served.url}/v1/completions", json={**body, "prompt": ids}, timeout=60).json()
+    assert [c["text"] for c in by_ids["choices"]] == [text for text, _ in alone[:2]]
+    assert served.engine.in_flight == 0
+
+
+def test_prompts_past_the_queue_are_refused_together(guarded):
+    """Room for one request in flight: two prompts in one body get a 503 and leave nothing running."""
+    body = {"model": guarded.model, "prompt": ["one", "two"], "max_tokens": 4, "temperature": 0}
+    response = httpx.post(f"{guarded.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer sekret"})
+    assert_openai_error(response, 503, None)
+    deadline = time.monotonic() + 10
+    while guarded.engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert guarded.engine.in_flight == 0
 
 
 # -- capacity, authentication, metrics -------------------------------------------------------------------

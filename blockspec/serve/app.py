@@ -6,6 +6,8 @@ the engine thread starts and stops with the app's lifespan.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import logging
 import time
@@ -126,7 +128,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 #: What a field with several accepted forms takes, for the error when a value has none of them.
-_FORMS = {"prompt": "a string, a list holding one string, or a list of token ids",
+_FORMS = {"prompt": "a string, a list of token ids, or several prompts: a list of strings or of token-id lists",
           "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
           "stop": "a string or a list of strings"}
 
@@ -224,10 +226,12 @@ def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: Se
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = _prepare(target, body, "/v1/completions", _completion_prompt_ids(target, body), decoding,
-                            _tenant(request))
-        generation = Generation(engine, target.tokenizer, prepared).start()
-        return await _respond(generation, body, request, TextCompletion(target))
+        prepared = [_prepare(target, body, "/v1/completions", ids, decoding, _tenant(request))
+                    for ids in _completion_prompts(target, body)]
+        if len(prepared) == 1:
+            generation = Generation(engine, target.tokenizer, prepared[0]).start()
+            return await _respond(generation, body, request, TextCompletion(target))
+        return await _collect_choices(_start_all(engine, target, prepared), TextCompletion(target), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -249,22 +253,33 @@ def _check_model(target: Target, model: str) -> None:
 
 # -- turning a request into engine input ------------------------------------------------------
 
-def _completion_prompt_ids(target: Target, body: CompletionRequest) -> list[int]:
-    """Plain text (no chat template), as OpenAI's completions endpoint takes it, or token ids."""
+def _completion_prompts(target: Target, body: CompletionRequest) -> list[list[int]]:
+    """Each prompt's ids: plain text (no chat template), as OpenAI's completions endpoint takes it, or token ids;
+    a list of texts or of token-id lists is several prompts, each answered as its own choice."""
     _check_model(target, body.model)
     prompt = body.prompt
     if isinstance(prompt, list) and not prompt:
         raise bad_request("the prompt is empty: give some text or token ids", param="prompt")
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        vocab = target.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise bad_request(f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        return list(prompt)
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise bad_request(f"send one prompt per request, got {len(prompt)}", param="prompt")
-        prompt = prompt[0]
-    return _encode(target, prompt, use_chat_template=False, param="prompt")
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if len(prompts) > 1 and body.stream:
+        raise bad_request(f"{len(prompts)} prompts are answered in one body: send stream false, or one request "
+                          "per prompt to stream each", param="prompt", code="unsupported_value")
+    return [_prompt_ids(target, one, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+            for i, one in enumerate(prompts)]
+
+
+def _prompt_ids(target: Target, prompt: str | list[int], param: str) -> list[int]:
+    if isinstance(prompt, str):
+        return _encode(target, prompt, use_chat_template=False, param=param)
+    if not prompt:
+        raise bad_request("the prompt is empty: give some text or token ids", param=param)
+    vocab = target.model.config.vocab_size
+    if any(t < 0 or t >= vocab for t in prompt):
+        raise bad_request(f"prompt token ids must lie in [0, {vocab})", param=param)
+    return list(prompt)
 
 
 def _chat_prompt_ids(target: Target, body: ChatCompletionRequest) -> list[int]:
@@ -404,12 +419,42 @@ async def _respond(generation: Generation, body: SamplingFields, request: Reques
 
 
 async def _collect(generation: Generation, shape: TextCompletion, request: Request) -> JSONResponse:
+    return await _collect_choices([generation], shape, request)
+
+
+def _start_all(engine: ServingEngine, target: Target, prepared: list[PreparedRequest]) -> list[Generation]:
+    """Every prompt's generation, submitted together (a full queue refuses them all: none is left running)."""
+    started = []
+    try:
+        for request in prepared:
+            started.append(Generation(engine, target.tokenizer, request).start())
+    except APIError:
+        for generation in started:
+            generation.close()
+        raise
+    return started
+
+
+async def _collect_choices(generations: list[Generation], shape: TextCompletion, request: Request) -> JSONResponse:
+    """One body with every generation's text as a choice of its own (decoded together, in the batch)."""
     created = int(time.time())
-    text = "".join([piece async for piece in generation.pieces(request.is_disconnected)])
-    if generation.finish_reason is None:  # the client left before its answer: nobody to send it to
+
+    async def text(generation: Generation) -> str:
+        return "".join([piece async for piece in generation.pieces(request.is_disconnected)])
+
+    try:
+        texts = await asyncio.gather(*(text(generation) for generation in generations))
+    finally:
+        for generation in generations:
+            generation.close()
+    if any(generation.finish_reason is None for generation in generations):  # the client left: nobody to answer
         return ClientLeft()
     body = shape.envelope(f"{shape.prefix}-{uuid.uuid4().hex}", created)
-    body.update(choices=[shape.full_choice(text, generation.finish_reason or "stop")], usage=generation.usage())
+    choices = [shape.full_choice(text, generation.finish_reason) for text, generation in zip(texts, generations)]
+    for index, choice in enumerate(choices):
+        choice["index"] = index
+    usage = [generation.usage() for generation in generations]
+    body.update(choices=choices, usage={key: sum(u[key] for u in usage) for key in usage[0]})
     return JSONResponse(body)
 
 

@@ -117,9 +117,9 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """``prompt`` is text, a list holding one text, or token ids."""
+    """``prompt`` is text, token ids, or several prompts: a list of texts or of token-id lists (one choice each)."""
 
-    prompt: Text | list[Text] | list[int]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
