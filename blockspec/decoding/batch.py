@@ -243,8 +243,7 @@ class BatchEngine:
         drafter = self.drafter.for_namespace(namespace) if self.drafter is not None else None
         sequence = new_sequence(self.model, input_ids, drafter, config)
         if config.block_size == AUTO:
-            sequence.width_policy = self.width_policies.get(self.model, widest_verify(drafter, sequence.config),
-                                                            tree=bool(sequence.config.tree_budget), batched=self.target)
+            sequence.width_policy = self._width_policy(drafter, sequence.config)
         row = Row(next(self._ids), sequence, wall_clock(self.device))
         self.waiting.append(row)
         return row
@@ -261,8 +260,13 @@ class BatchEngine:
         if say is not None:
             say(f"the adaptive width's forward times for 1..{self.max_batch_size} rows ({self.target.path}; "
                 "measured once per machine)")
-        self.width_policies.get(self.model, widest_verify(self.drafter, config), tree=bool(config.tree_budget),
-                                batched=self.target)
+        self._width_policy(self.drafter, config)
+
+    def _width_policy(self, drafter: Drafter, config: GenerationConfig):
+        """The engine's adaptive width for rows under ``config`` (as the sequence resolved it), timed through its
+        own target."""
+        return self.width_policies.get(self.model, widest_verify(drafter, config), tree=bool(config.tree_budget),
+                                       batched=self.target)
 
     def step(self) -> list[BatchEvent]:
         """Admit queued rows, then one verify forward over every active row."""

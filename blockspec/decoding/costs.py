@@ -62,12 +62,12 @@ class CostModel:
             return self.seconds[width - 1]
         if not self.batches:
             return _along(self.seconds, batch * width)
-        known = sorted({1: self.seconds, **self.batches}.items())
-        below = max((b for b, _ in known if b <= batch), default=1)
-        above = min((b for b, _ in known if b >= batch), default=None)
-        table = dict(known)
+        table = {1: self.seconds, **self.batches}
+        sizes = sorted(table)
+        below = max(b for b in sizes if b <= batch)
+        above = next((b for b in sizes if b >= batch), None)
         if above is None:  # past the widest batch measured: extrapolate from the last two
-            below, above = known[-2][0], known[-1][0]
+            below, above = sizes[-2], sizes[-1]
         if above == below:
             return table[below][width - 1]
         low, high = table[below][width - 1], table[above][width - 1]

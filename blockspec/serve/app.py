@@ -415,10 +415,6 @@ async def _respond(generation: Generation, body: SamplingFields, request: Reques
         events = _stream_events(generation, shape, body.include_usage)
         return CancellingStream(events, on_close=generation.close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _collect(generation, shape, request)
-
-
-async def _collect(generation: Generation, shape: TextCompletion, request: Request) -> JSONResponse:
     return await _collect_choices([generation], shape, request)
 
 
