@@ -34,11 +34,11 @@ class SamplingConfig:
         return self.temperature == 0
 
     def make_generator(self, device) -> torch.Generator:
+        """The sequence's own generator: from its seed, else from torch's global one (so an unseeded run
+        repeats after ``torch.manual_seed``, as Hugging Face's ``generate`` does)."""
         generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(self.seed)
+        seed = self.seed if self.seed is not None else int(torch.randint(2**63 - 1, (), dtype=torch.int64))
+        generator.manual_seed(seed)
         return generator
 
 

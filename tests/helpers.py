@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import uvicorn
 from scipy.stats import chisquare
@@ -232,6 +233,10 @@ def tiny_dllm(shifted=False, attention=None, layers=2, seed=0, mask=DLLM_MASK):
 
 # --- prompts and reference decoding -------------------------------------------------------
 
+#: The two small families a behaviour's tests run on: qwen3 in the fast tier, llama too in the long one
+#: (tests/test_families.py checks every family's lossless decoding in both).
+TWO_FAMILIES = [pytest.param("llama", marks=pytest.mark.slow), "qwen3"]
+
 MAX_NEW = 24
 
 
@@ -318,11 +323,15 @@ def exact_joint(target, sampling: SamplingConfig) -> dict:
 
 def sampled_joint(target, drafter, sampling: SamplingConfig, samples: int, *, block_size=3,
                   tree_budget=None, tree_top_k=8, width_policies=None, fast=None) -> dict:
-    """Counts of the NEW_TOKENS-token outputs of ``samples`` seeded speculative decodes."""
+    """Counts of the NEW_TOKENS-token outputs of ``samples`` speculative decodes, each seeded (through torch's
+    global generator with an adaptive width, which a request's own seed would pin to its widest)."""
     counts = {}
     for seed in range(samples):
+        if block_size == "auto":
+            torch.manual_seed(seed)
         config = GenerationConfig(max_new_tokens=NEW_TOKENS, block_size=block_size, temperature=sampling.temperature,
-                                  top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, tree_budget=tree_budget,
+                                  top_p=sampling.top_p, top_k=sampling.top_k,
+                                  seed=None if block_size == "auto" else seed, tree_budget=tree_budget,
                                   tree_top_k=tree_top_k)
         stream = decode(target, PROMPT, drafter, config, width_policies=width_policies, fast=fast)
         key = tuple(stream.token_ids)

@@ -2,6 +2,7 @@
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from helpers import (
     MAX_NEW,
     PASS,
     SAMPLES,
+    TWO_FAMILIES,
     VOCAB,
     FixedCosts,
     chi_square_pvalue,
@@ -48,7 +50,7 @@ def run(target, ids, drafter, block_size, width_policies=None):
                   width_policies=width_policies)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def world(request):
     target = make_causal_lm(request.param, vocab_size=320).double()
     cases = prompts(320, count=10, seed=21) + repetitive_prompts(320, 10, seed=22)
@@ -90,6 +92,53 @@ def test_auto_width_is_lossless_and_varies(world, kind):
         assert [w for w in chosen if w > 1] == [d + 1 for d in stream.stats.drafted if d > 0]
         widths.update(chosen)
     assert len(widths) > 1, widths
+
+
+def test_a_seeded_sampled_decode_repeats_whatever_the_policy_has_learnt(world):
+    target, references = world
+    policies = WidthPolicies(lambda model, width: mid_width_costs(width))
+    drafter = make_drafter("dflash", target)
+    ids = references[0][0]
+    seeded = GenerationConfig(max_new_tokens=MAX_NEW, block_size="auto", temperature=0.9, seed=7)
+    first = decode(target, ids, drafter, seeded, width_policies=policies)
+    for other, _ in references[1:6]:  # the policy learns from other prompts in between
+        run(target, other, drafter, "auto", policies)
+    again = decode(target, ids, drafter, seeded, width_policies=policies)
+    assert again.token_ids == first.token_ids
+    assert again.sequence.width_policy is None and again.sequence.block_size == 8  # the widest, every step
+    unseeded = decode(target, ids, drafter, replace(seeded, seed=None), width_policies=policies)
+    assert unseeded.sequence.width_policy is not None  # an unseeded one adapts; so does a greedy one
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "draft"])
+def test_a_sampled_drafts_confidences_do_not_depend_on_its_draws(world, kind):
+    """Were the width chosen from q(drawn token), whether a draft is verified would follow the draw: biased."""
+    target, references = world
+    drafter = make_drafter(kind, target)
+    drafter.sample_drafts = True
+    sampling = SamplingConfig(temperature=1.0)
+    confidences, tokens = [], []
+    for seed in (1, 2, 3):  # a fresh state each time: proposing moves it
+        state = decode(target, references[0][0], drafter, GenerationConfig(max_new_tokens=1)).sequence.draft_state
+        proposal = drafter.propose(state, 7, 5, sampling, torch.Generator().manual_seed(seed))
+        confidences.append(proposal.confidences())
+        tokens.append(proposal.tokens.tolist())
+    assert len({tuple(t) for t in tokens}) > 1  # the draws differ
+    if kind == "dflash":  # one pass gives every position's q before any draw: its peak
+        assert confidences[0] == confidences[1] == confidences[2] and all(0 < c <= 1 for c in confidences[0])
+    else:  # each q follows the draws before it: no confidence, the width stays fixed
+        assert confidences == [None, None, None]
+
+
+def test_an_unseeded_sampled_decode_repeats_after_torch_manual_seed(world):
+    target, references = world
+    config = GenerationConfig(max_new_tokens=MAX_NEW, block_size=4, temperature=1.0)
+    drafter = make_drafter("dflash", target)
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outputs.append(decode(target, references[0][0], drafter, config).token_ids)
+    assert outputs[0] == outputs[1]
 
 
 def test_auto_needs_a_drafter_and_other_values_are_refused():

@@ -39,6 +39,7 @@ from blockspec.decoding.sequence import (
     Sequence,
     SequenceView,
     Step,
+    adapts_width,
     chain_unless_trees_verify,
     new_sequence,
     widest_verify,
@@ -242,7 +243,7 @@ class BatchEngine:
         config = config or GenerationConfig()
         drafter = self.drafter.for_namespace(namespace) if self.drafter is not None else None
         sequence = new_sequence(self.model, input_ids, drafter, config)
-        if config.block_size == AUTO:
+        if adapts_width(config):
             sequence.width_policy = self._width_policy(drafter, sequence.config)
         row = Row(next(self._ids), sequence, wall_clock(self.device))
         self.waiting.append(row)

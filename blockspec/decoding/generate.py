@@ -16,8 +16,15 @@ import torch
 from blockspec.clock import wall_clock
 from blockspec.decoding.fast import FastForward, StaticTarget, compile_choice, fast_forward
 from blockspec.decoding.forward import SequenceTarget
-from blockspec.decoding.policy import AUTO, WidthPolicies
-from blockspec.decoding.sequence import GenerationConfig, Sequence, SequenceView, new_sequence, widest_verify
+from blockspec.decoding.policy import WidthPolicies
+from blockspec.decoding.sequence import (
+    GenerationConfig,
+    Sequence,
+    SequenceView,
+    adapts_width,
+    new_sequence,
+    widest_verify,
+)
 from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.drafters.base import Drafter
 
@@ -34,7 +41,7 @@ class TokenStream(SequenceView):
         self.model = target_model
         self.sequence: Sequence = new_sequence(target_model, input_ids, drafter, config)
         self.fast = fast if fast is not None else _fast_forward_for(target_model, drafter, config)
-        if config.block_size == AUTO:
+        if adapts_width(config):
             store = width_policies if width_policies is not None else WidthPolicies()
             self.sequence.width_policy = store.get(target_model, widest_verify(drafter, config),
                                                    tree=bool(config.tree_budget), fast=self.fast)

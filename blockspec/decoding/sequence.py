@@ -246,6 +246,15 @@ def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationCo
                     stats=GenerationStats(prompt_tokens=ids.shape[1]), width_policy=width_policy)
 
 
+def adapts_width(config: GenerationConfig) -> bool:
+    """Whether a width policy chooses the sequence's verify width step by step ("auto").
+
+    Not for a seeded sampled sequence: which random draws it makes depends on the widths, and the widths
+    on what the policy has learnt so far (and on timings), so the same seed would not give the same text
+    twice. It verifies at the widest width every step instead."""
+    return config.block_size == AUTO and (config.seed is None or config.sampling.greedy)
+
+
 def widest_verify(drafter: Drafter | None, config: GenerationConfig) -> int:
     """The widest verify forward a decode under ``config`` may run: a tree's nodes + 1, else the block size
     (with "auto": the widest the policy may choose)."""

@@ -20,8 +20,10 @@ from blockspec.sampling import SamplingConfig
 class Proposal:
     """Draft tokens [n] and, for drafters that sample, the distribution q [n, V] behind each.
 
-    ``confidence`` [n]: the drafter's probability of each of its tokens (None: unknown), which
-    the adaptive verify width calibrates against acceptance.
+    ``confidence`` [n]: the drafter's confidence at each position, which the adaptive verify width
+    calibrates against acceptance. A sampled draft's must not depend on the draws: were the width
+    chosen from q(drawn token), whether a draft is verified would depend on which token was drawn,
+    and the output would no longer follow the target's distribution (None: the width stays fixed).
     """
 
     tokens: torch.LongTensor
@@ -32,12 +34,13 @@ class Proposal:
     def empty(cls, device) -> "Proposal":
         return cls(torch.zeros(0, dtype=torch.long, device=device))
 
-    def confidences(self) -> list[float]:
-        """Per draft: the drafter's confidence, else q(token), else 1 (the calibration learns the rest)."""
+    def confidences(self) -> list[float] | None:
+        """Per draft: the drafter's confidence; 1 for a deterministic draft without one (the calibration
+        learns the rest); None for a sampled draft without one (its width must not adapt)."""
         if self.confidence is not None:
             return self.confidence.float().tolist()
         if self.probs is not None:
-            return self.probs[torch.arange(len(self.tokens)), self.tokens].float().tolist()
+            return None
         return [1.0] * len(self.tokens)
 
     def truncated(self, count: int) -> "Proposal":

@@ -185,7 +185,9 @@ class DFlashDrafter(PositionwiseDrafter):
             rows = logits.argmax(dim=-1)
             return Proposal(self._target_ids(rows, row_ids), confidence=draft_confidence(logits, rows))
         probs = self._target_probs(sampling_probs(logits, sampling), row_ids)  # zero outside the drafted rows
-        return Proposal(sample_from(probs, generator), probs)  # its confidence is q(token), from probs
+        # every position's q comes from the one pass, before any draw: its peak is a confidence the draws
+        # do not move
+        return Proposal(sample_from(probs, generator), probs, confidence=probs.amax(dim=-1))
 
     @torch.inference_mode()
     def draft_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:

@@ -74,7 +74,9 @@ class DraftModelDrafter(Drafter):
             confidence.append(p)
             feed = [token]
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
-        return Proposal(tokens, torch.stack(probs) if sampled else None, torch.tensor(confidence))
+        if sampled:  # each q follows the draws before it: no confidence the width could use losslessly
+            return Proposal(tokens, torch.stack(probs))
+        return Proposal(tokens, confidence=torch.tensor(confidence))
 
     def commit(self, state: DraftLMState, tokens, features) -> None:
         verified = len(state.tokens)

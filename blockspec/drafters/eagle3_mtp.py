@@ -81,7 +81,9 @@ class RecursiveDrafter(Drafter):
             confidence.append(p)
             position += 1
         tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
-        return Proposal(tokens, torch.stack(probs) if sampled else None, torch.tensor(confidence))
+        if sampled:  # each q follows the draws before it: no confidence the width could use losslessly
+            return Proposal(tokens, torch.stack(probs))
+        return Proposal(tokens, confidence=torch.tensor(confidence))
 
     def _feed_pending(self, state: RecursiveState, last_token: int) -> torch.Tensor:
         """Put every row whose next token is known into the persistent cache; their output hidden states."""
