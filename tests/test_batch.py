@@ -12,6 +12,7 @@ from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
 from helpers import (
+    TWO_FAMILIES,
     FixedCosts,
     decode,
     make_causal_lm,
@@ -26,7 +27,7 @@ NUM_PROMPTS = 8
 METHODS = ["ar", "dflash", "dflash-reduced", "eagle3", "mtp", "ngram", "draft"]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def target(request):
     # float64 so that a batched forward and a single-row one cannot disagree by rounding.
     return make_causal_lm(request.param, vocab_size=320).double()

@@ -113,3 +113,16 @@ def test_generate_and_serve_default_to_the_library_tree_fan_out():
     assert decoding_options(build_parser().parse_args(["serve"])).tree_top_k == DEFAULT_TREE_TOP_K
     assert generation_config(build_parser().parse_args(["generate", "--tree-top-k", "3", "hi"])).tree_top_k == 3
     assert decoding_options(build_parser().parse_args(["serve", "--tree-top-k", "3"])).tree_top_k == 3
+
+
+@pytest.mark.parametrize(("command", "blocked", "expected"), [
+    (["serve"], "fastapi", "blockspec serve needs fastapi: pip install 'blockspec[serve]'"),
+    (["loadtest"], "httpx", "blockspec loadtest needs httpx: pip install 'blockspec[serve]'"),
+    (["bench", "--methods", "dflash"], "matplotlib",
+     "PNG plots needs matplotlib: pip install 'blockspec[bench]', or pass --no-plots"),
+])
+def test_a_command_whose_extra_is_not_installed_says_which_to_install(command, blocked, expected):
+    hide_and_run = f"import sys; sys.modules[{blocked!r}] = None; from blockspec.cli import main; sys.exit(main())"
+    result = subprocess.run([sys.executable, "-c", hide_and_run, *command], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert expected in result.stderr and "Traceback" not in result.stderr

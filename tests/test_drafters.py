@@ -18,6 +18,7 @@ from helpers import (
     PASS,
     PROMPT,
     SAMPLES,
+    TWO_FAMILIES,
     VOCAB,
     chi_square_pvalue,
     decode,
@@ -40,7 +41,7 @@ def run(target, ids, drafter, **config):
     return decode(target, ids, drafter, GenerationConfig(max_new_tokens=MAX_NEW, **config))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def world(request):
     # float64 so that block verification and HF's token-by-token decode cannot disagree by rounding.
     target = make_causal_lm(request.param, vocab_size=320).double()
@@ -91,7 +92,7 @@ def test_greedy_equals_hf_generate(world, kind, block_size, num_prompts):
         assert partial > 0  # rejections inside a block happened, so the draft cache was cropped
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", TWO_FAMILIES)
 def test_ngram_drafts_on_repetitive_text(arch):
     # A small vocabulary makes the random target repeat itself, as real models do on code.
     target = make_causal_lm(arch, vocab_size=32).double()

@@ -18,6 +18,7 @@ from helpers import (
     PASS,
     PROMPT,
     SAMPLES,
+    TWO_FAMILIES,
     VOCAB,
     NoisyOracle,
     chi_square_pvalue,
@@ -32,7 +33,7 @@ from helpers import (
 )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def world(request):
     target = make_causal_lm(request.param, vocab_size=320)  # fp32: the packed path runs
     return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=16, seed=41)]
@@ -45,7 +46,7 @@ def verify_rows(target, tokens, start, tree=None):
     return out.scores.logits, out.features
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", TWO_FAMILIES)
 def test_rollback_and_tree_compaction_leave_the_cache_the_dynamic_cache_leaves(arch):
     model = make_causal_lm(arch, vocab_size=320, seed=3)
     layers = [0, 2, 3]

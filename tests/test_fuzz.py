@@ -3,7 +3,7 @@ with an OpenAI-style error body or a well-formed success, never a 5xx, a traceba
 command line ends in a one-line error or its work.
 
 The suite runs a bounded number of examples; BLOCKSPEC_FUZZ_REQUESTS and BLOCKSPEC_FUZZ_COMMANDS
-raise them (`make fuzz`-sized runs: 2000 requests, 500 command lines).
+raise them (`make fuzz` runs 2000 requests and 500 command lines).
 """
 
 import json

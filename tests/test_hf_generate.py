@@ -9,13 +9,13 @@ from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.drafters.suffix import SuffixDrafter, SuffixStore
-from helpers import make_causal_lm, make_dflash, make_recursive, prompts, repetitive_prompts
+from helpers import TWO_FAMILIES, make_causal_lm, make_dflash, make_recursive, prompts, repetitive_prompts
 
 MAX_NEW = 24
 EOS = 7
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def target(request):
     model = make_causal_lm(request.param, vocab_size=320)
     model.generation_config.pad_token_id = 0

@@ -1,31 +1,51 @@
-"""The package's imports go down its layers only, with no cycle (scripts/check_imports.py)."""
+"""The package's imports go down its layers only, with no cycle: import-linter's contracts in pyproject.toml."""
 
-import runpy
+import os
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECK = runpy.run_path(str(ROOT / "scripts" / "check_imports.py"))
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def lint_imports(project: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=project, env=dict(os.environ, PYTHONPATH=str(project)),
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_imports_only_go_down_the_layers_and_never_in_a_cycle():
-    assert CHECK["problems"](ROOT) == []
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
 
 
-def test_the_check_finds_an_upward_import_and_a_cycle(tmp_path):
-    package = tmp_path / "blockspec"
-    for name, text in {
-        "__init__.py": "",
-        "errors.py": "",
-        "models/__init__.py": "",
-        "models/net.py": "from blockspec.decoding.step import step\n",  # upward
-        "decoding/__init__.py": "",
-        "decoding/step.py": "from blockspec.decoding import loop\n",
-        "decoding/loop.py": "def run():\n    from blockspec.decoding.step import step\n",  # a lazy import: a cycle
-        "stray.py": "",
-    }.items():
-        (package / name).parent.mkdir(parents=True, exist_ok=True)
-        (package / name).write_text(text)
-    found = CHECK["problems"](tmp_path)
-    assert "upward import: blockspec.models.net imports blockspec.decoding.step" in found
-    assert "import cycle: blockspec.decoding.loop -> blockspec.decoding.step" in found
-    assert any(line.startswith("blockspec.stray belongs to no layer") for line in found)
+def layer_modules(config: dict) -> list[str]:
+    (layers,) = [contract["layers"] for contract in config["contracts"] if contract["type"] == "layers"]
+    return [name.strip() for layer in layers for name in layer.split(":")]
+
+
+def test_the_contracts_refuse_an_upward_import_a_cycle_and_a_module_in_no_layer(tmp_path):
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    section = (ROOT / "pyproject.toml").read_text().split("[tool.importlinter]")[1]
+    (tmp_path / "pyproject.toml").write_text("[tool.importlinter]" + section)
+    packages = ("models", "decoding")
+    files = {f"blockspec/{name}.py": "" for name in layer_modules(config) if name not in packages}
+    files.update({
+        "blockspec/__init__.py": "",
+        "blockspec/models/__init__.py": "",
+        "blockspec/models/net.py": "from blockspec.decoding.step import step\n",  # upward
+        "blockspec/decoding/__init__.py": "",
+        "blockspec/decoding/step.py": "from blockspec.decoding import loop\n",
+        "blockspec/decoding/loop.py": "def run():\n    from blockspec.decoding.step import step\n",  # a lazy import: a cycle
+        "blockspec/stray.py": "",
+    })
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    result = lint_imports(tmp_path)
+    assert result.returncode == 1
+    assert "blockspec.models.net -> blockspec.decoding.step" in result.stdout
+    assert "No cycles are allowed in blockspec.decoding" in result.stdout
+    assert "- blockspec.stray" in result.stdout

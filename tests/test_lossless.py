@@ -7,10 +7,10 @@ from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.base import Drafter, Proposal
 from blockspec.drafters.dflash import DFlashDrafter
-from helpers import MAX_NEW, hf_greedy, make_causal_lm, make_dflash, prompts
+from helpers import MAX_NEW, TWO_FAMILIES, hf_greedy, make_causal_lm, make_dflash, prompts
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def target_and_references(request):
     # float64 so that the block-wise verify and HF's token-by-token decode cannot
     # disagree through rounding; the fp32 case is covered separately below.
@@ -19,7 +19,8 @@ def target_and_references(request):
     return target, references
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("block_size", [pytest.param(2, marks=pytest.mark.slow), 4,
+                                        pytest.param(8, marks=pytest.mark.slow), 16])
 def test_dflash_greedy_equals_hf_generate(target_and_references, block_size):
     target, references = target_and_references
     drafter = DFlashDrafter(make_dflash(target, block_size=16), target)

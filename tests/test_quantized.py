@@ -10,10 +10,10 @@ from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import BlockspecError
 from blockspec.models.quantized import Fp16Linear, parameter_count, quantization_of, quantize_target
-from helpers import MAX_NEW, decode, hf_greedy, make_causal_lm, make_dflash, prompts
+from helpers import MAX_NEW, TWO_FAMILIES, decode, hf_greedy, make_causal_lm, make_dflash, prompts
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def half_world(request):
     target = quantize_target(make_causal_lm(request.param, vocab_size=320), "fp16")
     return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=12, seed=51)]

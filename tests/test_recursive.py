@@ -21,6 +21,7 @@ from helpers import (
     PROMPT,
     RECURSIVE_KINDS,
     SAMPLES,
+    TWO_FAMILIES,
     chi_square_pvalue,
     decode,
     exact_joint,
@@ -33,14 +34,15 @@ from helpers import (
 )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def world(request):
     target = make_causal_lm(request.param, vocab_size=320).double()
     return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=30)]
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
-@pytest.mark.parametrize("block_size,draft_vocab", [(2, None), (5, 100), (8, None)])
+@pytest.mark.parametrize("block_size,draft_vocab", [pytest.param(2, None, marks=pytest.mark.slow), (5, 100),
+                                                    pytest.param(8, None, marks=pytest.mark.slow)])
 def test_greedy_equals_hf_generate(world, kind, block_size, draft_vocab):
     target, references = world
     drafter = RecursiveDrafter(make_recursive(kind, target, draft_vocab_size=draft_vocab), target, name=kind)

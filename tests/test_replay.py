@@ -11,10 +11,10 @@ from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.ngram import PromptLookupDrafter
 from blockspec.errors import BlockspecError
-from helpers import MAX_NEW, NoisyOracle, hf_greedy, make_causal_lm, make_dflash, prompts
+from helpers import MAX_NEW, TWO_FAMILIES, NoisyOracle, hf_greedy, make_causal_lm, make_dflash, prompts
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def world(request):
     target = make_causal_lm(request.param, vocab_size=320).double()
     return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=8, seed=5)]

@@ -132,6 +132,7 @@ from helpers import (  # noqa: E402
     PASS,
     PROMPT,
     SAMPLES,
+    TWO_FAMILIES,
     VOCAB,
     chi_square_pvalue,
     decode,
@@ -145,7 +146,7 @@ from helpers import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def world(request):
     target = make_causal_lm(request.param, vocab_size=320).double()
     return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in repetitive_prompts(320, 12, seed=8)]

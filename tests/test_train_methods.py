@@ -12,7 +12,7 @@ from blockspec.models.target import Target
 from blockspec.training.checkpoints import latest_checkpoint
 from blockspec.training.methods import frequent_tokens
 from blockspec.training.trainer import Trainer
-from helpers import small_config
+from helpers import TWO_FAMILIES, small_config
 
 METHODS = ["eagle3", "mtp", "draft", "dflash-reduced"]
 OPTIONS = {"eagle3": dict(draft_vocab_size=200, ttt_steps=3), "mtp": dict(draft_vocab_size=200, ttt_steps=3),
@@ -151,7 +151,7 @@ def test_cli_trains_and_generates_with_each_method(learned_target, tmp_path, cap
         assert result["method"] == method and 1 <= len(result["token_ids"]) <= 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", TWO_FAMILIES)
 def test_the_draft_lm_loss_scores_only_supervised_positions_exactly(arch, tmp_path):
     """The loss through the head on the supervised rows equals the cross entropy of the whole logits."""
     import torch.nn.functional as F

@@ -16,7 +16,7 @@ from blockspec.training.prompts import GSM8K_INSTRUCTION, PromptRecord, load_pro
 from blockspec.training.response_cache import meta_path, read_cache
 from blockspec.training.responses import generate_responses, responses_from_data
 from blockspec.training.samples import load_samples
-from helpers import make_causal_lm, make_tokenizer
+from helpers import TWO_FAMILIES, make_causal_lm, make_tokenizer
 
 
 def write_jsonl(path, rows):
@@ -199,7 +199,7 @@ def test_encode_prompt(tokenizer):
 # ---------------------------------------------------------------------------- generation
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", TWO_FAMILIES)
 def test_batched_generation_matches_one_at_a_time(tmp_path, tokenizer, arch):
     model = make_causal_lm(arch, vocab_size=len(tokenizer), seed=3)
     records = make_records(7)

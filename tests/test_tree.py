@@ -16,6 +16,7 @@ from helpers import (
     MAX_NEW,
     PASS,
     SAMPLES,
+    TWO_FAMILIES,
     VOCAB,
     FixedCosts,
     NoisyOracle,
@@ -73,7 +74,7 @@ def test_greedy_walk_follows_the_target():
     assert verdict.path == (1, 3) and verdict.next_token == 2
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=TWO_FAMILIES)
 def world(request):
     target = make_causal_lm(request.param, vocab_size=320).double()
     return target, [(ids, hf_greedy(target, ids, MAX_NEW)) for ids in prompts(320, count=12, seed=31)]

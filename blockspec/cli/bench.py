@@ -9,6 +9,7 @@ from pathlib import Path
 from blockspec.cli.options import COMPILE_CHOICES, add_quantize_option, block_size_arg, seed_arg
 from blockspec.drafters.registry import DRAFT_METHODS, DRAFTED_METHODS
 from blockspec.errors import BlockspecError
+from blockspec.extras import require_extra
 from blockspec.hub import DEFAULT_TARGET
 
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt_bench")
@@ -104,6 +105,8 @@ def run_bench_command(args) -> int:
     from blockspec.bench.setup import load_methods, load_prompts
 
     check_method_names(args.methods)
+    if not args.no_plots:
+        require_extra("bench", "blockspec bench's PNG plots", otherwise="pass --no-plots")
     config = bench_config(args)
     prompts = load_prompts(args.datasets, args.data_dir, args.num_prompts, args.seed)
     target, methods = load_methods(args.target, args.methods, args.draft, args.assistant, device=args.device,

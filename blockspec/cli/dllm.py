@@ -9,6 +9,7 @@ import sys
 from blockspec.cli.options import add_keep_last_option, keep_last_given, read_prompt, seed_arg
 from blockspec.dllm.canvas import MASK_GLYPH, committed_text, render_canvas
 from blockspec.errors import BlockspecError
+from blockspec.extras import require_extra
 from blockspec.hub import DEFAULT_TARGET
 from blockspec.tokens import encode_prompt
 
@@ -212,6 +213,7 @@ def run_bench(args) -> int:
     from blockspec.dllm import bench
     from blockspec.dllm.model import load_diffusion_model
 
+    require_extra("bench", "blockspec dllm bench (its accuracy-vs-speed plot)")
     if args.batch_size < 1:
         raise BlockspecError(f"--batch-size must be >= 1, got {args.batch_size}")
     specs = args.settings or bench.default_settings(args.gen_length)

@@ -8,6 +8,7 @@ import sys
 from blockspec.cli.generate import load_models
 from blockspec.cli.options import add_model_options, add_tree_top_k_option, block_size_arg, tree_top_k_given
 from blockspec.errors import BlockspecError
+from blockspec.extras import require_extra
 
 #: The environment variable that gives the API key (serve) or the key to send (loadtest).
 API_KEY_VARIABLE = "BLOCKSPEC_API_KEY"
@@ -45,6 +46,7 @@ def add_serve_command(commands) -> None:
 
 
 def run_serve(args) -> int:
+    require_extra("serve", "blockspec serve")
     import uvicorn
 
     from blockspec.decoding.sequence import GenerationConfig
@@ -169,6 +171,7 @@ def add_loadtest_command(commands) -> None:
 
 
 def run_loadtest(args) -> int:
+    require_extra("serve", "blockspec loadtest")
     from blockspec.serve.loadtest import DEFAULT_PROMPT, print_report
     from blockspec.serve.loadtest import run_loadtest as load
 
