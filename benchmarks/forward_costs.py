@@ -23,7 +23,8 @@ import torch
 
 from blockspec.clock import wall_clock
 from blockspec.decoding.fast import FastForward, StaticTarget
-from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.forward import SequenceTarget
 from blockspec.hub import DEFAULT_TARGET
 from blockspec.models.target import load_target
 

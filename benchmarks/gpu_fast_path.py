@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from blockspec.clock import wall_clock
 from blockspec.decoding.fast import FastForward, StaticTarget
-from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.generate import speculative_generate, warm_up_fast_path
 from blockspec.decoding.sequence import GenerationConfig
 

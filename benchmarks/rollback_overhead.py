@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.forward import SequenceTarget
 
 SIZE = dict(vocab_size=16384, hidden_size=768, intermediate_size=2304, num_hidden_layers=8, num_attention_heads=6,
             num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False)

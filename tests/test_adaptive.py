@@ -177,7 +177,7 @@ def test_an_uncalibrated_drafter_starts_from_its_own_confidence():
 
 def observe(policy, confidences, accepted, *, verify_seconds, width, draft_seconds):
     """One sequence's step, as ``decode_step`` reports it to the policy."""
-    policy.observe(confidences, accepted)
+    policy.observe(confidences, None, list(range(accepted)))
     policy.observe_step(rows=1, batch=1, width=width, tokens=accepted + 1, draft_seconds=draft_seconds,
                         verify_seconds=verify_seconds)
 

@@ -247,7 +247,8 @@ def test_batched_rows_of_hybrid_targets_equal_rows_alone(arch):
 
 def test_cost_measurement_rolls_back_to_the_context():
     """T(w) is timed with keep([[]]): nothing of the block stays, the linear state included."""
-    from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+    from blockspec.decoding.block import VerifyBlock
+    from blockspec.decoding.forward import SequenceTarget
 
     target = make_causal_lm("qwen3_5").double()
     context = torch.randint(4, 320, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -354,7 +355,8 @@ def test_gemma4_as_published_a_multimodal_model_decodes_text():
 def test_a_tree_path_kept_on_a_sliding_window_target_continues_exactly(arch, context_length):
     """Inside the window and past it: once a tree's path is kept, the cache holds what a cache that saw only
     the context and the path holds, and the next forward gives the same logits."""
-    from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+    from blockspec.decoding.block import VerifyBlock
+    from blockspec.decoding.forward import SequenceTarget
     from blockspec.drafters.tree import Tree
 
     target = make_causal_lm(arch).double()
@@ -364,7 +366,7 @@ def test_a_tree_path_kept_on_a_sliding_window_target_continues_exactly(arch, con
     with torch.inference_mode():
         for sequence in (tree_target, chain_target):
             sequence.prefill(context)
-        tree_target.verify([VerifyBlock([10, *tree.tokens], context_length, tree)])
+        tree_target.verify([VerifyBlock([10, *tree.tokens], context_length, tree.parents)])
         tree_target.keep([[0, 2, 4, 5]])  # the root, then nodes 1, 3 and 4: tokens 12, 14, 15
         chain_target.verify([VerifyBlock([10, 12, 14, 15], context_length)])
         chain_target.keep([[0, 1, 2, 3]])

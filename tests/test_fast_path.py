@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from blockspec.decoding.fast import FastForward, StaticTarget, bucket_width, compile_choice
-from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
-from blockspec.decoding.static_cache import StaticKVCache, block_visibility, capacity_for
+from blockspec.decoding.static_cache import StaticKVCache, capacity_for
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
@@ -42,7 +43,7 @@ def world(request):
 # --- the cache and its rollback against the dynamic cache's ------------------------------------------------
 
 def verify_rows(target, tokens, start, tree=None):
-    out = target.verify([VerifyBlock(tokens, start, tree)])[0]
+    out = target.verify([VerifyBlock(tokens, start, None if tree is None else tree.parents)])[0]
     return out.scores.logits, out.features
 
 
@@ -64,7 +65,7 @@ def test_rollback_and_tree_compaction_leave_the_cache_the_dynamic_cache_leaves(a
         start = prompt.shape[1]
         for tokens, shape, kept in steps:
             for target in (dynamic, static):
-                target.verify([VerifyBlock(tokens, start, shape)])
+                target.verify([VerifyBlock(tokens, start, None if shape is None else shape.parents)])
                 target.keep([kept])
             start += len(kept)
             expected, expected_features = verify_rows(dynamic, [40, 41, 42], start)
@@ -87,10 +88,16 @@ def test_the_last_layer_feature_is_the_normed_one_hidden_states_gives():
 
 
 def test_block_visibility_of_a_chain_and_a_tree():
-    assert block_visibility(3).tolist() == [[True, False, False], [True, True, False], [True, True, True]]
-    tree = block_visibility(5, parents=[-1, -1, 0, 2])  # root, nodes 0 and 1 under it, 2 under 0, 3 under 2
-    assert tree[4].tolist() == [True, True, False, True, True]
-    assert tree[2].tolist() == [True, False, True, False, False]
+    chain = VerifyBlock([5, 6, 7], 10)
+    assert chain.visibility.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert chain.is_chain and chain.depths == [0, 1, 2]
+    tree = VerifyBlock([5, 6, 7, 8, 9], 10, parents=[-1, -1, 0, 2])  # nodes 0, 1 under the root, 2 under 0, 3 under 2
+    assert tree.visibility[4].tolist() == [True, True, False, True, True]
+    assert tree.visibility[2].tolist() == [True, False, True, False, False]
+    assert not tree.is_chain and tree.depths == [0, 1, 1, 2, 3]
+    assert VerifyBlock([5, 6, 7], 10, parents=[-1, 0]).is_chain  # a chain written as a tree is one
+    with pytest.raises(ValueError, match="2 drafts, not 3 parents"):
+        VerifyBlock([5, 6, 7], 10, parents=[-1, 0, 1])
 
 
 def test_capacities_come_from_a_few_sizes():

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from blockspec.decoding.block import VerifyBlock, sequence_mask
+from blockspec.decoding.costs import CostModel
 from blockspec.decoding.generate import speculative_generate
-from blockspec.decoding.policy import WidthPolicies
+from blockspec.decoding.policy import AcceptanceCalibrator, AdaptiveWidth, WidthPolicies, walked_levels
 from blockspec.decoding.sequence import GenerationConfig
-from blockspec.decoding.tree import tree_attention_mask, tree_position_ids
 from blockspec.decoding.verifier import TargetScores, verify_tree
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.tree import Tree, build_tree
@@ -39,14 +40,27 @@ def test_each_node_sees_exactly_the_context_the_root_and_its_ancestors():
     #     / \      \
     #    2   3      4
     tree = Tree(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 1], depths=[1, 1, 2, 2, 2])
-    mask = tree_attention_mask(tree, past_length=3, dtype=torch.float32, device="cpu")[0, 0]
+    block = VerifyBlock([9, *tree.tokens], 3, tree.parents)  # 3 cached positions before the root
+    mask = sequence_mask(block, None, None, torch.float32, "cpu")[0, 0]
     visible = mask == 0
     assert visible.shape == (6, 9)
     assert visible[:, :4].all()  # the 3 cached positions and the root
     expected_rows = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [0, 3], 5: [1, 4]}
     for row, ancestors in expected_rows.items():
         assert visible[row, 4:].nonzero().flatten().tolist() == ancestors, row
-    assert tree_position_ids(tree, 7, "cpu").tolist() == [[7, 8, 8, 9, 9, 9]]
+    assert VerifyBlock([9, *tree.tokens], 7, tree.parents).position_ids("cpu").tolist() == [[7, 8, 8, 9, 9, 9]]
+    assert sequence_mask(VerifyBlock([9, 10, 11], 3), None, None, torch.float32, "cpu") is None  # causal
+
+
+def test_a_sliding_layer_sees_the_window_behind_each_node():
+    block = VerifyBlock([9, 10, 11, 13], 20, [-1, -1, 0])  # node 2 (depth 2) under node 0
+    masks = sequence_mask(block, ["sliding_attention", "full_attention"], 4, torch.float32, "cpu")
+    sliding, full = (masks[kind][0, 0] == 0 for kind in ("sliding_attention", "full_attention"))
+    assert full.shape == (4, 24) and sliding.shape == (4, 7)  # a sliding layer holds the 3 positions before
+    assert full[:, :20].all()
+    # positions 17, 18, 19 before the root at 20; a node at depth d sees keys less than 4 positions behind
+    assert sliding[0].tolist() == [True, True, True, True, False, False, False]
+    assert sliding[3].tolist() == [False, False, True, True, True, False, True]  # depth 2: 19, root, node 0, itself
 
 
 def test_the_tree_keeps_the_most_probable_paths():
@@ -152,16 +166,26 @@ def test_auto_chooses_how_much_of_the_tree_to_verify(world):
 
 
 def test_the_tree_size_policy_weighs_reach_against_cost():
-    from blockspec.decoding.costs import CostModel
-    from blockspec.decoding.policy import AdaptiveWidth
-
     flat = AdaptiveWidth(CostModel([1.0] * 8))
-    assert flat.choose_tree_size([0.9, 0.5, 0.9, 0.2], [-1, -1, 0, 2]) == 4  # free nodes: take them all
+    assert flat.choose([0.9, 0.5, 0.9, 0.2], [-1, -1, 0, 2]) == 5  # free nodes: take them all
     steep = AdaptiveWidth(CostModel([1.0, 1.1, 5.0, 5.0, 5.0]))
-    assert steep.choose_tree_size([0.9, 0.5, 0.9, 0.2], [-1, -1, 0, 2]) == 1
+    assert steep.choose([0.9, 0.5, 0.9, 0.2], [-1, -1, 0, 2]) == 2
     tree = Tree(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2])
-    assert tree.first(2).tokens == [5, 6] and tree.walked_levels([0], [0.9, 0.5, 0.8]) == [([0.9, 0.5], 0),
-                                                                                          ([0.8], None)]
+    assert tree.first(2).tokens == [5, 6]
+    assert walked_levels(tree.parents, [0], [0.9, 0.5, 0.8]) == [([0.9, 0.5], 0), ([0.8], None)]
+
+
+@pytest.mark.parametrize("path, learnt", [([], [(0.9, 0)]), ([0], [(0.9, 1), (0.8, 0)]), ([0, 1], [(0.9, 1), (0.8, 1)])])
+def test_a_chain_is_learnt_from_as_the_tree_it_is(path, learnt):
+    """A chain's verdict counts as a one-child-per-level tree's: each draft reached is tried, those on the path
+    accepted, the next (if any) rejected, the rest unseen."""
+    policy = AdaptiveWidth(CostModel([1.0] * 4))
+    policy.observe([0.9, 0.8], None, path)
+    expected = AcceptanceCalibrator()
+    for confidence, accepted in learnt:
+        expected.observe_candidates([confidence], 0 if accepted else None)
+    assert (policy.calibrator.tried, policy.calibrator.accepted) == (expected.tried, expected.accepted)
+    assert policy.expected_tokens([0.9, 0.8]) == policy.expected_tokens([0.9, 0.8], [-1, 0])
 
 
 def test_cli_generate_with_a_tree(tiny_target_dir, tiny_draft_dir, capsys):

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from blockspec.decoding.verifier import TargetScores, Verdict, verify_chain, verify_tree
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.verifier import TargetScores, Verdict, verify_block, verify_chain, verify_tree
 from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig
@@ -135,6 +136,14 @@ def test_greedy_tree(target, path, next_token):
     verdict = verify_tree(TREE, argmax_rows(target), GREEDY)
     assert verdict == Verdict(path, next_token)
     assert verdict.kept_rows == [0] + [1 + node for node in path]
+    assert verify_block(VerifyBlock([0, *TREE.tokens], 5, TREE.parents), argmax_rows(target), GREEDY) == verdict
+
+
+@pytest.mark.parametrize("drafts,target,accepted,next_token", GREEDY_CHAINS)
+def test_a_chain_block_is_verified_as_a_chain(drafts, target, accepted, next_token):
+    for parents in (None, list(range(-1, len(drafts) - 1))):  # a chain, whether or not it says so
+        verdict = verify_block(VerifyBlock([0, *drafts], 5, parents), argmax_rows(target), GREEDY)
+        assert verdict == Verdict(tuple(range(accepted)), next_token)
 
 
 # (p at each row: children are tried in order, each accepted with its share of what is left)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.forward import TargetOutput, VerifyBlock
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.forward import TargetOutput
 from blockspec.decoding.sequence import GenerationConfig, new_sequence
 from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.decoding.verifier import TargetScores
@@ -52,7 +53,7 @@ class RecordedTarget:
         # Row i sits at depth d (a chain's row i at depth i): if every draft on its path is accepted,
         # the target's greedy token there is the answer's token at start + d + 1. Rows off that path
         # are never read by the verifier.
-        depths = [0] + (block.tree.depths if block.tree is not None else list(range(1, block.width)))
+        depths = block.depths
         end = self.tokens.shape[0]
         choices = [int(self.tokens[block.start + d + 1]) if block.start + d + 1 < end else _PAST_THE_ANSWER
                    for d in depths]

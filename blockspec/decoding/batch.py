@@ -28,10 +28,11 @@ from typing import Iterator
 import torch
 
 from blockspec.clock import wall_clock
+from blockspec.decoding.block import VerifyBlock, batch_masks
 from blockspec.decoding.cache import BatchCache, LinearStates, check_batchable, new_target_cache, sliding_window_of
 from blockspec.decoding.costs import CostModel, batch_cost_model
 from blockspec.decoding.fast import StaticBatchTarget, compile_choice, fast_forward
-from blockspec.decoding.forward import TargetOutput, VerifyBlock
+from blockspec.decoding.forward import TargetOutput
 from blockspec.decoding.policy import AUTO, WidthPolicies
 from blockspec.decoding.sequence import (
     GenerationConfig,
@@ -44,7 +45,6 @@ from blockspec.decoding.sequence import (
     new_sequence,
     widest_verify,
 )
-from blockspec.decoding.static_cache import block_visibility
 from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import Drafter
@@ -111,12 +111,12 @@ class BatchTarget:
             block_valid[r, :block.width] = True
         starts = torch.tensor([block.start for block in blocks], device=device)
         position_ids = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
-        trees = [r for r, block in enumerate(blocks) if block.tree is not None]
-        for r in trees:
-            position_ids[r, :blocks[r].width] = blocks[r].position_ids(device)[0]
-        visible = _block_visibilities(blocks, width) if trees else None
+        for r, block in enumerate(blocks):
+            position_ids[r, :block.width] = block.position_ids(device)[0]
+        mask = batch_masks(blocks, self.cache.valid, self.cache.positions, block_valid, position_ids, self._layer_types,
+                           self._window, self.model.dtype)
         with self.linear.recording(self.cache.kv):
-            out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(block_valid, position_ids, visible),
+            out = self.model(input_ids=input_ids, attention_mask=mask,
                              position_ids=position_ids, cache=self.cache.kv, use_cache=True,
                              output_hidden_states=self.feature_layers is not None, **self._options)
         self._block_valid, self._block_positions = block_valid, position_ids
@@ -152,32 +152,11 @@ class BatchTarget:
 
         return batch_cost_model(model, widest, self.max_batch_size, fresh, self.path)
 
-    def _attention_mask(self, block_valid: torch.Tensor, position_ids: torch.Tensor, visible: torch.Tensor | None):
-        """The 2D key mask; with token trees (``visible``: what each block row sees of its block) or
-        sliding-window layers, 4D masks (per layer type where windows differ: they follow positions)."""
-        if self._window is None and visible is None:
-            return self.cache.attention_mask(block_valid)
-        if self._window is None:
-            return self.cache.attention_masks(block_valid, position_ids, ["full_attention"], None, self.model.dtype,
-                                              visible)["full_attention"]
-        masks = self.cache.attention_masks(block_valid, position_ids, self._layer_types or ["sliding_attention"],
-                                           self._window, self.model.dtype, visible)
-        return masks if self._layer_types is not None else masks["sliding_attention"]
-
     def _features(self, hidden_states, row: int, length: int | None = None) -> torch.Tensor | None:
         if self.feature_layers is None:
             return None
         features = layer_features([h[row:row + 1] for h in hidden_states], self.feature_layers)
         return features if length is None else features[:, :length]
-
-
-def _block_visibilities(blocks: list[VerifyBlock], width: int) -> torch.Tensor:
-    """[B, W, W]: what each row of each block sees of its block (a chain its prefix, a tree node its path)."""
-    visible = torch.ones(len(blocks), width, width, dtype=torch.bool).tril()
-    for r, block in enumerate(blocks):
-        if block.tree is not None:
-            visible[r, :block.width, :block.width] = block_visibility(block.width, block.tree.parents)
-    return visible
 
 
 class BatchEngine:

@@ -326,26 +326,6 @@ class BatchCache:
         self.positions = self.positions.index_select(0, index)
         self.compact_if_sparse()
 
-    def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor:
-        """The 2D key mask [B, L + W] for a forward over blocks whose real columns are ``block_valid``."""
-        return torch.cat([self.valid, block_valid], dim=1)
-
-    def attention_masks(self, block_valid: torch.Tensor, block_positions: torch.Tensor, layer_types: list[str],
-                        window: int | None, dtype, block_visible: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Additive 4D masks [B, 1, W, L + W] per layer type: a column is seen where it is valid and the
-        query sees it within the block (``block_visible`` [B, W, W]: a token tree's ancestors; default: the
-        columns up to the query's), and, in a sliding layer, within the window by position."""
-        width = block_valid.shape[1]
-        seen = self.attention_mask(block_valid).unsqueeze(1).expand(-1, width, -1).clone()
-        if block_visible is None:
-            block_visible = torch.ones(width, width, dtype=torch.bool).tril()
-        seen[:, :, self.length:] &= block_visible.to(seen.device)
-        masks = {"full_attention": seen}
-        if window is not None:
-            key_positions = torch.cat([self.positions, block_positions], dim=1)
-            masks["sliding_attention"] = seen & (block_positions.unsqueeze(2) - key_positions.unsqueeze(1) < window)
-        return {kind: _additive(masks[kind], dtype) for kind in set(layer_types) if kind in masks}
-
     def settle(self, block_valid: torch.Tensor, block_positions: torch.Tensor) -> None:
         """After a forward appended W columns: keep what each row accepted, crop what no row keeps."""
         self.valid = torch.cat([self.valid, block_valid], dim=1)
@@ -419,13 +399,6 @@ def _select_states(layer: LinearAttentionLayer, index: torch.Tensor) -> None:
         for s, state in states.items():
             if state is not None:
                 states[s] = state.index_select(0, index)
-
-
-def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
-    """A boolean mask [B, W, K] as an additive one [B, 1, W, K] (the smallest value, not -inf, where
-    hidden: a padding query that sees nothing stays finite)."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min).unsqueeze(1)
 
 
 def _left_pad(states: torch.Tensor, columns: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.forward import SequenceTarget, VerifyBlock
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.forward import SequenceTarget
 from blockspec.io import write_text_atomically
 from blockspec.machine import hardware_name
 from blockspec.models.quantized import quantization_of

@@ -24,13 +24,12 @@ from typing import Callable
 import torch
 
 from blockspec.decoding.costs import MEASURED_CONTEXT, CostModel, batch_cost_model, cost_model_for, measure_costs
-from blockspec.decoding.forward import TargetOutput, VerifyBlock
+from blockspec.decoding.block import VerifyBlock, static_mask
+from blockspec.decoding.forward import TargetOutput
 from blockspec.decoding.sequence import COMPILE_CHOICES
 from blockspec.decoding.static_cache import (
     StaticKVCache,
     attend_through_static_cache,
-    attention_mask,
-    block_visibility,
     capacity_for,
 )
 from blockspec.decoding.verifier import TargetScores
@@ -185,35 +184,25 @@ class FastForward:
         cache.lengths[row] = length
         return logits, features
 
-    def verify(self, cache: StaticKVCache, token_rows: list[list[int]], visibilities: list[torch.Tensor],
-               starts: list[int]):
-        """One forward over every row's block (padded to the bucket): logits [B, Wb, V] and features."""
+    def verify(self, cache: StaticKVCache, blocks: list[VerifyBlock], starts: list[int]):
+        """One forward over every row's block (padded to the bucket), row b's written at columns ``starts[b]``...:
+        logits [B, Wb, V] and features."""
         device = self.model.device
-        width = max(len(tokens) for tokens in token_rows)
+        width = max(block.width for block in blocks)
         if self.compiled:
             width = bucket_width(width)
-        ids = torch.zeros(len(token_rows), width, dtype=torch.long)
-        for row, tokens in enumerate(token_rows):
-            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        ids = torch.zeros(len(blocks), width, dtype=torch.long)
+        for row, block in enumerate(blocks):
+            ids[row, :block.width] = torch.tensor(block.tokens, dtype=torch.long)
         columns = torch.tensor(starts).unsqueeze(1) + torch.arange(width).unsqueeze(0)
-        positions = self._positions(visibilities, starts, width)
+        positions = _positions(blocks, starts, width)
         # The attention reads the columns in use; on a GPU the whole capacity, so each graph keeps its shapes.
         read = cache.capacity if self.model.device.type == "cuda" else max(cache.lengths) + width
-        mask = attention_mask(cache.lengths, visibilities, width, read, device)
+        mask = static_mask(cache.lengths, blocks, width, read, device)
         if self.compiled and read < cache.capacity:  # one graph for every length (the whole capacity is another)
             torch._dynamo.mark_dynamic(mask, 3, min=2, max=cache.capacity - 1)
         cache.write_columns = columns.to(device)
         return self._run(ids.to(device), positions.to(device), mask, cache)
-
-    def _positions(self, visibilities, starts, width) -> torch.Tensor:
-        """Each row's position: the start plus its depth (a chain's index, a tree node's depth)."""
-        rows = []
-        for visible, start in zip(visibilities, starts):
-            depth = visible.sum(dim=1) - 1
-            padded = torch.arange(width) if depth.numel() == 0 else \
-                torch.cat([depth, torch.arange(depth.numel(), width)])
-            rows.append(start + padded)
-        return torch.stack(rows)
 
     def _run(self, ids, positions, mask, cache):
         key = (ids.shape[0], ids.shape[1], cache.capacity)
@@ -231,6 +220,12 @@ class FastForward:
         self.stats.widths.append(ids.shape[1])
         self._warm.add(key)
         return out
+
+
+def _positions(blocks: list[VerifyBlock], starts: list[int], width: int) -> torch.Tensor:
+    """[B, width]: each row's position, the start plus its depth; padding rows go on past the block."""
+    return torch.stack([start + torch.tensor(block.depths + list(range(block.width, width)))
+                        for block, start in zip(blocks, starts)])
 
 
 class _RowView:
@@ -260,9 +255,7 @@ class StaticTarget:
 
     def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
         (block,) = blocks
-        parents = block.tree.parents if block.tree is not None else None
-        logits, features = self.fast.verify(self.cache, [block.tokens], [block_visibility(block.width, parents)],
-                                            [self.cache.lengths[0]])
+        logits, features = self.fast.verify(self.cache, [block], [self.cache.lengths[0]])
         width = block.width
         return [TargetOutput(TargetScores(logits[0, :width]), None if features is None else features[:, :width])]
 
@@ -317,9 +310,7 @@ class StaticBatchTarget:
     def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
         self.reserve(max(b.start + b.width for b in blocks))
         view = self.cache.leading(len(blocks))
-        visibilities = [block_visibility(b.width, b.tree.parents if b.tree is not None else None) for b in blocks]
-        logits, features = self.fast.verify(view, [b.tokens for b in blocks], visibilities,
-                                            [b.start for b in blocks])
+        logits, features = self.fast.verify(view, blocks, [b.start for b in blocks])
         return [TargetOutput(TargetScores(logits[r, :b.width]),
                              None if features is None else features[r:r + 1, :b.width])
                 for r, b in enumerate(blocks)]

@@ -144,18 +144,12 @@ class AdaptiveWidth:
         speedup = self.speedups.get(batch_bucket(batch))
         return speedup is not None and speedup < 1.0
 
-    def expected_tokens(self, confidences) -> list[float]:
-        """Expected tokens a verify of width w produces, for w = 1..len(confidences)+1."""
-        expected, reach = [1.0], 1.0
-        for confidence in confidences:
-            reach *= self.calibrator(float(confidence))
-            expected.append(expected[-1] + reach)
-        return expected
-
-    def expected_tree_tokens(self, confidences, parents) -> list[float]:
-        """Expected tokens of verifying a tree's first n nodes (listed best first, parents before children),
-        for widths w = n + 1 = 1..len(confidences)+1. A node is accepted only if its whole path is, and
-        siblings exclude each other, so the expected accepted length is the sum of the nodes' path reach."""
+    def expected_tokens(self, confidences, parents: list[int] | None = None) -> list[float]:
+        """Expected tokens of verifying the first n drafts (listed parents first, best first; ``parents``: each
+        one's parent among them, -1 the root, None a chain), for widths w = n + 1 = 1..len(confidences)+1. A
+        draft is accepted only if its whole path is, and siblings exclude each other, so the expected accepted
+        length is the sum of the drafts' path reach."""
+        parents = chain_parents(len(confidences)) if parents is None else parents
         reach, expected = [], [1.0]
         for confidence, parent in zip(confidences, parents):
             reach.append(self.calibrator(float(confidence)) * (reach[parent] if parent >= 0 else 1.0))
@@ -177,23 +171,16 @@ class AdaptiveWidth:
                 best, best_rate = width, rate
         return best
 
-    def choose(self, confidences) -> int:
-        """One sequence's chain width."""
-        return self.choose_width([self.expected_tokens(confidences)])
+    def choose(self, confidences, parents: list[int] | None = None) -> int:
+        """One sequence's verify width: the root and its first ``width - 1`` drafts."""
+        return self.choose_width([self.expected_tokens(confidences, parents)])
 
-    def choose_tree_size(self, confidences, parents) -> int:
-        """How many of one sequence's tree nodes to verify."""
-        return self.choose_width([self.expected_tree_tokens(confidences, parents)]) - 1
-
-    def observe(self, confidences, num_accepted: int) -> None:
-        """One chain's verdict: drafts 1..num_accepted accepted."""
-        self.calibrator.observe(confidences, num_accepted)
-
-    def observe_tree(self, levels) -> None:
-        """``levels``: per tree level walked, (the children's confidences, the accepted child's index or None)."""
-        for confidences, accepted in levels:
-            if confidences:
-                self.calibrator.observe_candidates(confidences, accepted)
+    def observe(self, confidences, parents: list[int] | None, path: list[int]) -> None:
+        """One verdict: the drafts on ``path`` accepted, in order (``parents``: as in ``expected_tokens``)."""
+        parents = chain_parents(len(confidences)) if parents is None else parents
+        for candidates, accepted in walked_levels(parents, path, confidences):
+            if candidates:
+                self.calibrator.observe_candidates(candidates, accepted)
 
     def observe_step(self, *, rows: int, batch: int, width: int, tokens: int, draft_seconds: float,
                      verify_seconds: float) -> None:
@@ -220,6 +207,23 @@ class AdaptiveWidth:
 def batch_bucket(batch: int) -> int:
     """The batch sizes whose drafting speed is tracked together: the largest power of two <= ``batch``."""
     return 1 << (max(batch, 1).bit_length() - 1)
+
+
+def chain_parents(count: int) -> list[int]:
+    return list(range(-1, count - 1))
+
+
+def walked_levels(parents: list[int], path: list[int], confidences) -> list[tuple[list[float], int | None]]:
+    """For each draft the verifier stood on (the root, then the path): its children's confidences and the
+    index among them of the one accepted (None at the last)."""
+    children = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    levels = []
+    for here, following in zip([-1] + path, path + [None]):
+        below = children.get(here, [])
+        levels.append(([confidences[c] for c in below], below.index(following) if following is not None else None))
+    return levels
 
 
 class WidthPolicies:

@@ -4,9 +4,7 @@ Row b's column j holds position j of sequence b, so a row's cache is its first `
 columns and a forward writes its W new entries at columns ``length .. length + W - 1``.
 Rejecting drafts only moves the length back (the stale columns are masked out, then
 overwritten); a tree's accepted path is copied into place; rows of a batch keep their own
-lengths. The attention mask is built here too: every query sees its row's kept columns and,
-within the block being verified, what the block's own structure allows (a chain: the rows
-before it; a tree: its ancestors).
+lengths (the attention mask over them: ``blockspec.decoding.block.static_mask``).
 
 ``update`` is what Hugging Face attention layers call, so their own modules run over it; their
 attention then runs through ``static_cache_attention``, which reads only the columns the mask
@@ -117,36 +115,6 @@ class _CacheShape:
     def __init__(self, layers: int, heads: int, head_dim: int):
         self.num_hidden_layers, self.num_key_value_heads, self.head_dim = layers, heads, head_dim
         self.num_attention_heads, self.hidden_size = heads, heads * head_dim
-
-
-def block_visibility(width: int, parents: list[int] | None = None) -> torch.Tensor:
-    """[W, W] bool: which rows of a verify block each row sees (row 0 the root, then drafts or tree nodes).
-
-    A chain sees itself and every row before it; a tree node its ancestors, the root and itself.
-    """
-    if parents is None:
-        return torch.ones(width, width, dtype=torch.bool).tril()
-    visible = torch.eye(width, dtype=torch.bool)
-    visible[:, 0] = True
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            visible[1 + node] |= visible[1 + parent]
-    return visible
-
-
-def attention_mask(lengths: list[int], visibilities: list[torch.Tensor], width: int, columns: int,
-                   device) -> torch.Tensor:
-    """[B, 1, width, columns] bool: row b's queries see its kept columns and its block as ``visibilities[b]``
-    allows; padding queries (past a row's block) see their own column only, so they stay finite. The attention
-    reads the cache's first ``columns`` columns (at least every row's length plus ``width``)."""
-    mask = torch.zeros(len(lengths), 1, width, columns, dtype=torch.bool)
-    for row, (length, visible) in enumerate(zip(lengths, visibilities)):
-        used = visible.shape[0]
-        mask[row, 0, :used, :length] = True
-        mask[row, 0, :used, length:length + used] = visible
-        padding = torch.arange(used, width)
-        mask[row, 0, padding, length + padding] = True
-    return mask.to(device)
 
 
 def static_cache_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):

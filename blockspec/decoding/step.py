@@ -17,50 +17,51 @@ a drafter a step verifies the last token alone: plain autoregressive decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.forward import TargetOutput, VerifyBlock, VerifyTarget
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.forward import TargetOutput, VerifyTarget
 from blockspec.decoding.policy import AdaptiveWidth
 from blockspec.decoding.sequence import Sequence, Step
-from blockspec.decoding.verifier import TargetScores, Verdict, verify_chain, verify_tree
-from blockspec.drafters.base import Proposal
-from blockspec.drafters.tree import Tree
+from blockspec.decoding.verifier import TargetScores, Verdict, verify_block
 from blockspec.sampling import sample_from
 
 
 @dataclass
 class Draft:
-    """One sequence's drafts for this step (a chain's proposal or a token tree); ``block`` is what the target
-    verifies: the last token, then the drafts."""
+    """One sequence's drafts for this step, each with its parent among them (-1: the root; None: a chain),
+    listed parents first and best first; ``block`` is what the target verifies: the last token, then the
+    drafts."""
 
     root: int
     position: int
-    proposal: Proposal | None = None
-    tree: Tree | None = None
-    #: With an adaptive width: the drafter's confidence in each draft (a tree: each node).
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] | None = None
+    #: [n, V]: the distribution each draft of a chain was sampled from (None: deterministic drafts).
+    probs: torch.Tensor | None = None
+    #: With an adaptive width: the drafter's confidence in each draft.
     confidences: list[float] | None = None
 
     @property
     def size(self) -> int:
-        """Drafts (a tree's nodes) in the block."""
-        return len(self.tree) if self.tree is not None else len(self.proposal.tokens)
+        return len(self.tokens)
 
     def cut(self, width: int) -> None:
-        """Verify only the first ``width - 1`` drafts (a chain's prefix, a tree's best nodes: still a tree)."""
-        if self.tree is not None:
-            self.tree = self.tree.first(width - 1)
-        else:
-            self.proposal = self.proposal.truncated(width - 1)
-        self.confidences = self.confidences[: width - 1]
+        """Verify only the first ``width - 1`` drafts (a chain's prefix; a tree's best nodes, still a tree)."""
+        count = width - 1
+        self.tokens = self.tokens[:count]
+        self.parents = None if self.parents is None else self.parents[:count]
+        self.probs = None if self.probs is None else self.probs[:count]
+        self.confidences = self.confidences[:count]
+        self.__dict__.pop("block", None)  # a block made before the cut is stale
 
     @cached_property
     def block(self) -> VerifyBlock:
-        drafts = self.tree.tokens if self.tree is not None else self.proposal.tokens.tolist()
-        return VerifyBlock([self.root, *drafts], self.position, self.tree)
+        return VerifyBlock([self.root, *self.tokens], self.position, self.parents)
 
 
 def prefill_step(target: VerifyTarget, sequence: Sequence) -> Step:
@@ -118,18 +119,19 @@ def draft(sequence: Sequence, drafting: bool = True) -> Draft:
     """This sequence's drafts at full depth (none when drafting does not pay this step or has no room)."""
     depth = sequence.draft_depth() if drafting else 0
     result = Draft(sequence.last_token, sequence.position)
-    adaptive = sequence.width_policy is not None
-    if depth > 0 and sequence.config.tree_budget:
-        config = sequence.config
-        result.tree, confidences = sequence.drafter.draft_tree(sequence.draft_state, sequence.last_token, depth,
-                                                               config.tree_budget, config.tree_top_k)
-        result.confidences = confidences if adaptive else None
+    if depth == 0:
         return result
-    result.proposal = Proposal.empty(sequence.device)
-    if depth > 0:
-        result.proposal = sequence.drafter.propose(sequence.draft_state, sequence.last_token, depth,
-                                                   sequence.sampling, sequence.generator)
-        result.confidences = result.proposal.confidences() if adaptive and result.size > 0 else None
+    config = sequence.config
+    if config.tree_budget:
+        tree, confidences = sequence.drafter.draft_tree(sequence.draft_state, sequence.last_token, depth,
+                                                        config.tree_budget, config.tree_top_k)
+        result.tokens, result.parents = tree.tokens, tree.parents
+    else:
+        proposal = sequence.drafter.propose(sequence.draft_state, sequence.last_token, depth, sequence.sampling,
+                                            sequence.generator)
+        result.tokens, result.probs, confidences = proposal.tokens.tolist(), proposal.probs, proposal.confidences()
+    if sequence.width_policy is not None and result.size > 0:
+        result.confidences = confidences
     return result
 
 
@@ -148,17 +150,12 @@ def fit_widths(groups, sequences: list[Sequence], drafts: list[Draft]) -> None:
 
 
 def _expected_tokens(policy: AdaptiveWidth, drafted: Draft) -> list[float]:
-    if drafted.tree is not None:
-        return policy.expected_tree_tokens(drafted.confidences, drafted.tree.parents)
-    return policy.expected_tokens(drafted.confidences)
+    return policy.expected_tokens(drafted.confidences, drafted.parents)
 
 
 def accept(sequence: Sequence, drafted: Draft, out: TargetOutput) -> Verdict:
     """The verifier's decision on one sequence's block."""
-    if drafted.tree is not None:
-        return verify_tree(drafted.tree, out.scores, sequence.sampling, sequence.generator)
-    proposal = drafted.proposal
-    return verify_chain(proposal.tokens, out.scores, sequence.sampling, proposal.probs, sequence.generator)
+    return verify_block(drafted.block, out.scores, sequence.sampling, drafted.probs, sequence.generator)
 
 
 def commit(sequence: Sequence, drafted: Draft, verdict: Verdict, out: TargetOutput) -> Step:
@@ -172,10 +169,7 @@ def commit(sequence: Sequence, drafted: Draft, verdict: Verdict, out: TargetOutp
     sequence.position += len(kept)
     sequence.last_token = verdict.next_token
     new_tokens = kept_tokens[1:] + [verdict.next_token]
-    if drafted.tree is not None:
-        step = Step(new_tokens, max(drafted.tree.depths, default=0), verdict.num_accepted, num_verified=block.width)
-    else:
-        step = Step(new_tokens, len(drafted.proposal.tokens), verdict.num_accepted)
+    step = Step(new_tokens, max(block.depths), verdict.num_accepted, num_verified=block.width)
     return sequence.record(step, decode=True)
 
 
@@ -194,10 +188,7 @@ def learn_widths(groups, sequences: list[Sequence], drafts: list[Draft], verdict
 
 
 def _observe_verdict(policy: AdaptiveWidth, drafted: Draft, verdict: Verdict) -> None:
-    if drafted.tree is not None:
-        policy.observe_tree(drafted.tree.walked_levels(list(verdict.path), drafted.confidences))
-    else:
-        policy.observe(drafted.confidences, verdict.num_accepted)
+    policy.observe(drafted.confidences, drafted.parents, list(verdict.path))
 
 
 def _first_token(scores: TargetScores, sequence: Sequence) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.decoding.block import VerifyBlock
 from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingConfig, sample_from, sampling_probs
@@ -34,6 +35,10 @@ class TargetScores:
 
     logits: torch.Tensor | None = None
     greedy_tokens: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return (self.logits if self.logits is not None else self.greedy_tokens).device
 
     def choices(self) -> torch.Tensor:
         """The target's argmax token at each row."""
@@ -62,18 +67,29 @@ class Verdict:
         return [0] + [1 + node for node in self.path]
 
 
-def verify_chain(draft_tokens: torch.Tensor, target: TargetScores, sampling: SamplingConfig,
+def verify_block(block: VerifyBlock, scores: TargetScores, sampling: SamplingConfig,
+                 draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Verdict:
+    """The verdict on one block: a chain's drafts in order (``draft_probs``: as for ``verify_chain``), a
+    tree's nodes walked down from the root."""
+    drafts = block.tokens[1:]
+    if block.is_chain:
+        tokens = torch.tensor(drafts, dtype=torch.long, device=scores.device)
+        return verify_chain(tokens, scores, sampling, draft_probs, generator)
+    return verify_tree(Tree(drafts, block.parents, block.depths[1:]), scores, sampling, generator)
+
+
+def verify_chain(draft_tokens: torch.Tensor, scores: TargetScores, sampling: SamplingConfig,
                  draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Verdict:
     """How many of ``draft_tokens`` [n] to keep and the token that follows them.
 
-    ``target`` scores the rows [last token, drafts...]; ``draft_probs`` [n, V] is the distribution
+    ``scores``: the target's at the rows [last token, drafts...]; ``draft_probs`` [n, V] is the distribution
     each draft was sampled from (processed with the same sampling settings), None for a
     deterministic drafter.
     """
     if sampling.greedy:
-        accepted = _greedy_prefix(draft_tokens, target.choices())
-        return Verdict(tuple(range(accepted)), int(target.choices()[accepted]))
-    target_probs = target.probs(sampling)
+        accepted = _greedy_prefix(draft_tokens, scores.choices())
+        return Verdict(tuple(range(accepted)), int(scores.choices()[accepted]))
+    target_probs = scores.probs(sampling)
     n = draft_tokens.shape[0]
     if n == 0:
         return Verdict((), int(sample_from(target_probs[0], generator)))
@@ -88,12 +104,12 @@ def verify_chain(draft_tokens: torch.Tensor, target: TargetScores, sampling: Sam
     return Verdict(tuple(range(accepted)), int(sample_from(residual, generator)))
 
 
-def verify_tree(tree: Tree, target: TargetScores, sampling: SamplingConfig,
+def verify_tree(tree: Tree, scores: TargetScores, sampling: SamplingConfig,
                 generator: torch.Generator | None = None) -> Verdict:
-    """Walk down the tree: row 0 of ``target`` scores the root, row 1 + i node i."""
+    """Walk down the tree: row 0 of ``scores`` is the root's, row 1 + i node i."""
     path, row, node = [], 0, -1
-    choices = target.choices() if sampling.greedy else None
-    probs = None if sampling.greedy else target.probs(sampling)
+    choices = scores.choices() if sampling.greedy else None
+    probs = None if sampling.greedy else scores.probs(sampling)
     while True:
         children = tree.children(node)
         if sampling.greedy:

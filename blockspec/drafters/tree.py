@@ -4,7 +4,7 @@ A one-pass drafter (DFlash) predicts every block position at once, so besides it
 offers the top-k tokens of each position: ``build_tree`` keeps the ``budget`` nodes whose paths
 have the highest joint draft probability (a child's path is never more probable than its parent's,
 so the best nodes always form a tree). Other drafters (suffix drafting) propose trees of their own.
-The target verifies all nodes at once (``blockspec.decoding.tree``, ``blockspec.decoding.verifier``).
+The target verifies all nodes at once (``blockspec.decoding.block``, ``blockspec.decoding.verifier``).
 """
 
 from __future__ import annotations
@@ -39,16 +39,6 @@ class Tree:
     def first(self, count: int) -> "Tree":
         """The first ``count`` nodes: still a tree, since parents come before their children."""
         return Tree(self.tokens[:count], self.parents[:count], self.depths[:count])
-
-    def walked_levels(self, path: list[int], confidences) -> list[tuple[list[float], int | None]]:
-        """For each node the verifier stood on (root, then the path): its children's confidences and
-        the index among them of the one accepted (None at the last)."""
-        levels = []
-        for here, following in zip([-1] + path, path + [None]):
-            children = self.children(here)
-            accepted = children.index(following) if following is not None else None
-            levels.append(([confidences[c] for c in children], accepted))
-        return levels
 
     def ancestors(self, node: int) -> list[int]:
         path = []
