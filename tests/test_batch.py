@@ -1,5 +1,7 @@
 """Batched decoding: every row equals the same sequence decoded alone, for every method."""
 
+import copy
+
 import pytest
 import torch
 
@@ -138,6 +140,26 @@ def test_rows_verifying_token_trees_equal_rows_decoded_alone(target, method):
         assert result.token_ids == expected.token_ids
         assert result.stats.acceptance_lengths == expected.stats.acceptance_lengths
     assert any(n > 1 for r in results for n in r.stats.acceptance_lengths)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash-reduced"])
+def test_dflash_drafts_many_rows_in_one_pass_as_each_alone(target, method):
+    """A batch's DFlash trees come from one pass over every row's block, each row attending its own context:
+    the same logits, trees and drafter states as the rows drafted one by one."""
+    drafter = make_prototype(method, target)
+    states = [decode(target, ids, drafter, GenerationConfig(max_new_tokens=3 + i, block_size=4)).sequence.draft_state
+              for i, ids in enumerate(mixed_prompts()[:4])]  # different context lengths, features pending
+    last_tokens = [5, 17, 42, 99]
+    apart = [copy.deepcopy(state) for state in states]
+    together = drafter.rows_logits(states, last_tokens, 7)
+    for state, alone_state, token, (logits, row_ids) in zip(states, apart, last_tokens, together):
+        expected, expected_ids = drafter.row_logits(alone_state, token, 7)
+        torch.testing.assert_close(logits, expected)
+        assert torch.equal(row_ids, expected_ids) if row_ids is not None else expected_ids is None
+        assert state.pending is None and state.cache.length == alone_state.cache.length
+        torch.testing.assert_close(state.cache.keys[-1], alone_state.cache.keys[-1])
+    trees = drafter.draft_trees(apart, last_tokens, 7, 12, 4)  # the states have moved on: only shapes to compare
+    assert [len(tree) for tree, _ in trees] == [12] * 4
 
 
 def cheap_widths(model, widest):

@@ -88,7 +88,7 @@ def decode_step(target: VerifyTarget, sequences: list[Sequence]) -> list[Step]:
     began = wall_clock(device)
     groups = width_groups(sequences)
     drafting = {id(policy): policy.should_draft(len(sequences)) for policy, _ in groups}
-    drafts = [draft(sequence, drafting.get(id(sequence.width_policy), True)) for sequence in sequences]
+    drafts = draft_rows(sequences, [drafting.get(id(sequence.width_policy), True) for sequence in sequences])
     fit_widths(groups, sequences, drafts)
     drafted = wall_clock(device)
     outputs = target.verify([d.block for d in drafts])
@@ -115,24 +115,36 @@ def width_groups(sequences: list[Sequence]) -> list[tuple[AdaptiveWidth, list[in
     return list(groups.values())
 
 
-def draft(sequence: Sequence, drafting: bool = True) -> Draft:
-    """This sequence's drafts at full depth (none when drafting does not pay this step or has no room)."""
-    depth = sequence.draft_depth() if drafting else 0
-    result = Draft(sequence.last_token, sequence.position)
-    if depth == 0:
-        return result
-    config = sequence.config
-    if config.tree_budget:
-        tree, confidences = sequence.drafter.draft_tree(sequence.draft_state, sequence.last_token, depth,
-                                                        config.tree_budget, config.tree_top_k)
-        result.tokens, result.parents = tree.tokens, tree.parents
-    else:
-        proposal = sequence.drafter.propose(sequence.draft_state, sequence.last_token, depth, sequence.sampling,
-                                            sequence.generator)
-        result.tokens, result.probs, confidences = proposal.tokens.tolist(), proposal.probs, proposal.confidences()
-    if sequence.width_policy is not None and result.size > 0:
-        result.confidences = confidences
-    return result
+def draft_rows(sequences: list[Sequence], drafting: list[bool]) -> list[Draft]:
+    """Every sequence's drafts at full depth (none where drafting does not pay this step or has no room). The
+    token trees of rows that share a drafter and a tree's shape are drafted together, in one pass where the
+    drafter can."""
+    drafts = [Draft(sequence.last_token, sequence.position) for sequence in sequences]
+    trees: dict[tuple, list[int]] = {}
+    for index, (sequence, drafts_now) in enumerate(zip(sequences, drafting)):
+        depth = sequence.draft_depth() if drafts_now else 0
+        config = sequence.config
+        if depth > 0 and config.tree_budget:
+            trees.setdefault((id(sequence.drafter), depth, config.tree_budget, config.tree_top_k), []).append(index)
+        elif depth > 0:
+            proposal = sequence.drafter.propose(sequence.draft_state, sequence.last_token, depth,
+                                                sequence.sampling, sequence.generator)
+            drafts[index].tokens, drafts[index].probs = proposal.tokens.tolist(), proposal.probs
+            _note_confidences(drafts[index], sequence, proposal.confidences())
+    for (_, depth, budget, top_k), rows in trees.items():
+        drafter = sequences[rows[0]].drafter
+        drafted = drafter.draft_trees([sequences[i].draft_state for i in rows], [sequences[i].last_token for i in rows],
+                                      depth, budget, top_k)
+        for index, (tree, confidences) in zip(rows, drafted):
+            drafts[index].tokens, drafts[index].parents = tree.tokens, tree.parents
+            _note_confidences(drafts[index], sequences[index], confidences)
+    return drafts
+
+
+def _note_confidences(drafted: Draft, sequence: Sequence, confidences: list[float] | None) -> None:
+    """What the sequence's width policy chooses by (none without a policy, or without drafts)."""
+    if sequence.width_policy is not None and drafted.size > 0:
+        drafted.confidences = confidences
 
 
 def fit_widths(groups, sequences: list[Sequence], drafts: list[Draft]) -> None:

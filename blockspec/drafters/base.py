@@ -101,6 +101,12 @@ class TreeDrafter(Drafter):
         """At most ``budget`` nodes, ``depth`` deep, ``top_k`` children each, following ``last_token``; and the
         drafter's confidence in each node (what the adaptive width calibrates)."""
 
+    def draft_trees(self, states: list[DraftState], last_tokens: list[int], depth: int, budget: int,
+                    top_k: int) -> list[tuple[Tree, list[float]]]:
+        """``draft_tree`` for many sequences (a batch's rows) at once; a drafter that can run them in one pass
+        overrides it."""
+        return [self.draft_tree(state, token, depth, budget, top_k) for state, token in zip(states, last_tokens)]
+
 
 class PositionwiseDrafter(TreeDrafter):
     """A drafter whose one pass gives a distribution for every block position (DFlash): its tree holds the
@@ -116,12 +122,27 @@ class PositionwiseDrafter(TreeDrafter):
         rows are the target's vocabulary). A drafter with a reduced vocabulary gives its K rows."""
         return self.draft_logits(state, last_token, num_tokens), None
 
+    def rows_logits(self, states: list[DraftState], last_tokens: list[int],
+                    num_tokens: int) -> list[tuple[torch.Tensor, torch.LongTensor | None]]:
+        """``row_logits`` for many sequences at once; a drafter that can run them in one pass overrides it."""
+        return [self.row_logits(state, token, num_tokens) for state, token in zip(states, last_tokens)]
+
     def draft_tree(self, state: DraftState, last_token: int, depth: int, budget: int,
                    top_k: int) -> tuple[Tree, list[float]]:
-        logits, row_ids = self.row_logits(state, last_token, depth)
-        probs = torch.softmax(logits.float(), dim=-1)
-        tree = build_tree(probs, budget, top_k)
-        confidences = [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
-        if row_ids is not None:
-            tree.tokens = row_ids[torch.tensor(tree.tokens, dtype=torch.long)].tolist()
-        return tree, confidences
+        return _tree_of(*self.row_logits(state, last_token, depth), budget, top_k)
+
+    def draft_trees(self, states: list[DraftState], last_tokens: list[int], depth: int, budget: int,
+                    top_k: int) -> list[tuple[Tree, list[float]]]:
+        return [_tree_of(logits, row_ids, budget, top_k)
+                for logits, row_ids in self.rows_logits(states, last_tokens, depth)]
+
+
+def _tree_of(logits: torch.Tensor, row_ids: torch.LongTensor | None, budget: int,
+             top_k: int) -> tuple[Tree, list[float]]:
+    """The tree of the most probable nodes under per-position logits [depth, K] (row ids: their target ids)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    tree = build_tree(probs, budget, top_k)
+    confidences = [float(probs[d - 1, t]) for t, d in zip(tree.tokens, tree.depths)]
+    if row_ids is not None:
+        tree.tokens = row_ids[torch.tensor(tree.tokens, dtype=torch.long)].tolist()
+    return tree, confidences

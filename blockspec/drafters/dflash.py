@@ -204,6 +204,33 @@ class DFlashDrafter(PositionwiseDrafter):
         logits = self.head_logits(state, last_token, num_tokens)
         return logits, self.row_ids(state)
 
+    @torch.inference_mode()
+    def rows_logits(self, states: list[DFlashState], last_tokens: list[int], num_tokens: int):
+        """One pass over every sequence's block: the projections, MLPs and head run over all rows together
+        (their weights read once), each row attending its own context cache."""
+        if len(states) == 1 or self.denoise_steps > 1 or not self.model.attends_rows_alike:
+            return super().rows_logits(states, last_tokens, num_tokens)
+        block_ids = torch.full((len(states), num_tokens + 1), self.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long, device=self.device)
+        starts = [s.cache.length + (0 if s.pending is None else s.pending.shape[1]) for s in states]
+        positions = torch.tensor(starts, device=self.device).unsqueeze(1) + \
+            torch.arange(num_tokens + 1, device=self.device).unsqueeze(0)
+        embeddings = self.model.embed_block(self.embed_tokens, block_ids).to(self.dtype)
+        contexts = [None if s.pending is None else s.pending.to(self.dtype) for s in states]
+        hidden = self.model.forward_rows(embeddings, positions, contexts, [s.cache for s in states])[:, 1:]
+        heads = self.lm_head(hidden.reshape(-1, hidden.shape[-1]).to(self.head_dtype)).float()
+        heads = heads.view(len(states), num_tokens, -1)
+        rows = []
+        for row, state in enumerate(states):
+            state.pending, state.commit_counts = None, denoise_schedule(num_tokens, 1)
+            logits = heads[row]
+            if state.sequence_rows is not None:
+                own = F.linear(hidden[row], state.sequence_rows.weight).float()
+                logits = torch.cat([logits, own], dim=-1)
+            rows.append((logits if self.model.logit_scale == 1.0 else logits * self.model.logit_scale,
+                         self.row_ids(state)))
+        return rows
+
     def row_ids(self, state: DFlashState) -> torch.LongTensor | None:
         """The target id of each row this sequence's drafts score (None: the target's whole vocabulary)."""
         rows = state.sequence_rows

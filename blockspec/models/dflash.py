@@ -237,6 +237,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bo
     return x * cos + pairs * sin
 
 
+def rows_then_blocks(contexts, block_k, block_v):
+    """Keys and values [B, H, L + Q, d] for one attention over many rows: row b's context keys/values (or None)
+    left-aligned and padded to the longest L, then its block's; and what each query sees [B, 1, Q, L + Q]."""
+    longest = max(0 if keys is None else keys.shape[-2] for keys, _ in contexts)
+    batch, heads, width, dim = block_k.shape
+    keys = block_k.new_zeros(batch, heads, longest + width, dim)
+    values = block_v.new_zeros(batch, heads, longest + width, dim)
+    visible = torch.zeros(batch, 1, width, longest + width, dtype=torch.bool, device=block_k.device)
+    for row, (context_k, context_v) in enumerate(contexts):
+        if context_k is not None:
+            length = context_k.shape[-2]
+            keys[row, :, :length], values[row, :, :length] = context_k[0], context_v[0]
+            visible[row, :, :, :length] = True
+    keys[:, :, longest:], values[:, :, longest:] = block_k, block_v
+    visible[:, :, :, longest:] = True
+    return keys, values, visible
+
+
 class DFlashAttention(nn.Module):
     """Attention whose keys/values are [context ; block] and whose queries are the block.
 
@@ -271,8 +289,7 @@ class DFlashAttention(nn.Module):
         return keys, values
 
     def forward(self, block, block_rope, context, context_rope, cache=None, layer=0, attention_mask=None):
-        queries = apply_rotary(self.q_norm(self._heads(block, self.q_proj, self.num_heads)).transpose(1, 2),
-                               *block_rope, neox=self.neox)
+        queries = self.project_queries(block, block_rope)
         block_k, block_v = self.project_keys_values(block, block_rope)
         if context is not None and context.shape[1] > 0:
             ctx_k, ctx_v = self.project_keys_values(context, context_rope)
@@ -281,13 +298,41 @@ class DFlashAttention(nn.Module):
             ctx_v = block_v[..., :0, :]
         if cache is not None:
             ctx_k, ctx_v = cache.extend(layer, ctx_k, ctx_v)
-        keys = torch.cat([ctx_k, block_k], dim=-2)
-        values = torch.cat([ctx_v, block_v], dim=-2)
+        out = self.attend(queries, torch.cat([ctx_k, block_k], dim=-2), torch.cat([ctx_v, block_v], dim=-2),
+                          attention_mask)
+        return self.project_out(out)
+
+    def forward_rows(self, blocks, block_rope, context, context_rope, context_sizes, caches, layer):
+        """Many sequences' blocks [B, Q, D] at once, each attending its own cache and its own block. ``context``
+        [1, sum(C_b), D]: the rows' new context positions one after another (C_b of row b, maybe 0), appended
+        to their caches. The projections run over every row together."""
+        queries = self.project_queries(blocks, block_rope)
+        block_k, block_v = self.project_keys_values(blocks, block_rope)
+        new_k, new_v = (None, None) if context is None else self.project_keys_values(context, context_rope)
+        offsets = [0]
+        for size in context_sizes:
+            offsets.append(offsets[-1] + size)
+        contexts = []
+        for row, cache in enumerate(caches):
+            begin, end = offsets[row], offsets[row + 1]
+            if end > begin:
+                contexts.append(cache.extend(layer, new_k[..., begin:end, :], new_v[..., begin:end, :]))
+            else:
+                contexts.append((cache.keys[layer], cache.values[layer]))
+        return self.project_out(self.attend(queries, *rows_then_blocks(contexts, block_k, block_v)))
+
+    def project_queries(self, x, rope):
+        return apply_rotary(self.q_norm(self._heads(x, self.q_proj, self.num_heads)).transpose(1, 2), *rope,
+                            neox=self.neox)
+
+    def attend(self, queries, keys, values, attention_mask):
         if self.attention_sink_bias is not None:
             keys, values, attention_mask = self._with_sink(keys, values, attention_mask, queries.shape[2])
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
+
+    def project_out(self, out):
         batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -316,6 +361,12 @@ class DFlashDecoderLayer(nn.Module):
         attended = self.self_attn(
             self.input_layernorm(hidden), block_rope, context, context_rope, cache, layer, attention_mask
         )
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_rows(self, hidden, block_rope, context, context_rope, context_sizes, caches, layer):
+        attended = self.self_attn.forward_rows(self.input_layernorm(hidden), block_rope, context, context_rope,
+                                               context_sizes, caches, layer)
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -410,6 +461,31 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
         hidden = block_embeddings
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, block_rope, context, context_rope, cache, index, masks[self.attention[index]])
+        return self.norm(hidden)
+
+    @property
+    def attends_rows_alike(self) -> bool:
+        """Whether every query sees its whole context and block (no causal or sliding layer), so that
+        ``forward_rows`` can run many sequences' blocks together."""
+        return not any(spec.masked for spec in self.attention)
+
+    def forward_rows(self, block_embeddings: torch.Tensor, block_positions: torch.LongTensor,
+                     context_features: list[torch.Tensor | None], caches: list[ContextCache]) -> torch.Tensor:
+        """``forward`` for many sequences at once: blocks [B, Q, D] at positions [B, Q], row b's new context
+        features [1, C_b, k*D] (None: none) appended to its cache ``caches[b]``; the final hidden states
+        [B, Q, D]. Only for a drafter whose layers ``attends_rows_alike``."""
+        block_rope = self.rotary_emb(block_embeddings, block_positions)
+        sizes = [0 if features is None else features.shape[1] for features in context_features]
+        context = context_rope = None
+        if sum(sizes):  # every row's new positions in one tensor, projected together
+            device = block_embeddings.device
+            context = self.hidden_norm(self.fc(torch.cat([f for f in context_features if f is not None], dim=1)))
+            positions = torch.cat([torch.arange(cache.length, cache.length + size, device=device)
+                                   for cache, size in zip(caches, sizes)])
+            context_rope = self.rotary_emb(context, positions.unsqueeze(0))
+        hidden = block_embeddings
+        for index, layer in enumerate(self.layers):
+            hidden = layer.forward_rows(hidden, block_rope, context, context_rope, sizes, caches, index)
         return self.norm(hidden)
 
     def embed_block(self, embed_tokens, block_ids: torch.LongTensor) -> torch.Tensor:
