@@ -1,6 +1,8 @@
 """The OpenAI-compatible server: the official client, dynamic batching, disconnects, errors, metrics."""
 
+import ctypes.util
 import json
+import platform
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -488,3 +490,18 @@ def test_the_serve_command_decodes_in_its_main_thread_and_stops_on_sigterm(tiny_
                                   GenerationConfig(max_new_tokens=10, stop_token_ids=target.stop_token_ids()))
     list(stream)
     assert text == target.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+
+
+def test_an_emptied_batch_gives_its_freed_memory_back(served, monkeypatch):
+    """glibc keeps what a burst's peak freed resident; the engine trims it whenever its batch empties."""
+    trims = []
+    monkeypatch.setattr(serve_engine, "return_freed_memory", lambda: trims.append(1) or True)
+    wait_until_idle(served)
+    complete(served, PROMPTS[0])
+    wait_until_idle(served)
+    assert trims
+
+
+def test_freed_memory_goes_back_where_there_is_glibc():
+    assert serve_engine.return_freed_memory() == (ctypes.util.find_library("c") is not None and
+                                                 platform.libc_ver()[0] == "glibc")

@@ -28,6 +28,7 @@ prefilled anew: greedy rows continue exactly as they would have).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import queue
@@ -45,6 +46,17 @@ from blockspec.serve.metrics import ServerMetrics
 from blockspec.serve.schemas import APIError
 
 log = logging.getLogger("blockspec.serve")
+
+
+def return_freed_memory() -> bool:
+    """Give the C allocator's free pages back to the system (glibc keeps what a burst's peak freed resident:
+    RSS 1618 MB idle, 1938 MB after a burst of 32). False where there is no glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,8 @@ class ServingEngine:
                 self._apply_commands(wait=not self.engine.has_work)
                 if self.engine.has_work and not self._stopping.is_set():
                     self._step()
+                    if not self.engine.has_work:  # the batch emptied: what its peak took goes back
+                        return_freed_memory()
         except Exception:  # a bug here must not leave requests waiting for ever
             log.exception("the engine thread stopped")
             raise
