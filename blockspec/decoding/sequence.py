@@ -77,6 +77,8 @@ class Step:
     num_accepted: int
     #: Tokens the verify forward carried (None: the last token + the chain of drafts).
     num_verified: int | None = None
+    #: The verify width the sequence's width policy chose this step (None: no choice made).
+    chosen_width: int | None = None
 
     @property
     def width(self) -> int:
@@ -88,12 +90,9 @@ class Step:
 class GenerationStats:
     prompt_tokens: int
     new_tokens: int = 0
-    #: Tokens each decode step produced (accepted drafts + 1, cut at a stop or the token limit).
-    acceptance_lengths: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    #: Tokens each decode step's verify forward carried (a tree's nodes + 1, a chain's drafts + 1).
-    verified: list[int] = field(default_factory=list)
+    #: The decode steps as recorded (their tokens cut at a stop or the token limit): the per-step figures below
+    #: are read from them.
+    steps: list[Step] = field(default_factory=list)
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     #: Decode-phase wall time spent drafting (the drafter's passes, choosing the width) and verifying (the target's
@@ -101,6 +100,24 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     finish_reason: str = ""
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        """Tokens each decode step produced (accepted drafts + 1, cut at a stop or the token limit)."""
+        return [len(step.tokens) for step in self.steps]
+
+    @property
+    def drafted(self) -> list[int]:
+        return [step.num_drafted for step in self.steps]
+
+    @property
+    def accepted(self) -> list[int]:
+        return [step.num_accepted for step in self.steps]
+
+    @property
+    def verified(self) -> list[int]:
+        """Tokens each decode step's verify forward carried (a tree's nodes + 1, a chain's drafts + 1)."""
+        return [step.width for step in self.steps]
 
     @property
     def tau(self) -> float:
@@ -137,8 +154,9 @@ class GenerationStats:
         return acceptance_by_position(self.drafted, self.accepted)
 
     def to_dict(self) -> dict:
-        data = asdict(self)
-        data.update(tau=self.tau, tokens_per_s=self.tokens_per_s, target_forwards=self.target_forwards,
+        data = {key: value for key, value in asdict(self).items() if key != "steps"}
+        data.update(acceptance_lengths=self.acceptance_lengths, drafted=self.drafted, accepted=self.accepted,
+                    verified=self.verified, tau=self.tau, tokens_per_s=self.tokens_per_s, target_forwards=self.target_forwards,
                     draft_ms_per_step=self.draft_ms_per_step, verify_ms_per_step=self.verify_ms_per_step,
                     draft_share=self.draft_share, acceptance_by_position=self.acceptance_by_position())
         return data
@@ -173,8 +191,10 @@ class Sequence:
     #: The next token to feed (picked by the target, not yet in its cache) and its position.
     last_token: int = 0
     position: int = 0
-    #: Verify widths the policy chose.
-    widths: list[int] = field(default_factory=list)
+    @property
+    def widths(self) -> list[int]:
+        """The verify widths the width policy chose, step by step."""
+        return [step.chosen_width for step in self.stats.steps if step.chosen_width is not None]
 
     @property
     def finished(self) -> bool:
@@ -208,10 +228,7 @@ class Sequence:
         self.token_ids.extend(tokens)
         self.stats.new_tokens = len(self.token_ids)
         if decode:
-            self.stats.acceptance_lengths.append(len(tokens))
-            self.stats.drafted.append(step.num_drafted)
-            self.stats.accepted.append(step.num_accepted)
-            self.stats.verified.append(step.width)
+            self.stats.steps.append(step)
         return step
 
 

@@ -82,7 +82,7 @@ class SequentialEngine:
             return []
         row = self.rows[0]
         step = next(self._steps[row.id])
-        if row.stats.acceptance_lengths:  # a decode step, not the prefill
+        if row.stats.steps:  # a decode step, not the prefill
             self.batch_sizes.append(1)
             self.verify_widths.append(step.width)
         if row.finished:

@@ -43,8 +43,9 @@ class Draft:
     parents: list[int] | None = None
     #: [n, V]: the distribution each draft of a chain was sampled from (None: deterministic drafts).
     probs: torch.Tensor | None = None
-    #: With an adaptive width: the drafter's confidence in each draft.
+    #: With an adaptive width: the drafter's confidence in each draft, and the width the policy chose.
     confidences: list[float] | None = None
+    chosen_width: int | None = None
 
     @property
     def size(self) -> int:
@@ -158,7 +159,7 @@ def fit_widths(groups, sequences: list[Sequence], drafts: list[Draft]) -> None:
         width = policy.choose_width(expected, batch=len(drafts), floor=max(others, default=1))
         for i in chosen:
             drafts[i].cut(min(width, drafts[i].size + 1))
-            sequences[i].widths.append(drafts[i].size + 1)
+            drafts[i].chosen_width = drafts[i].size + 1
 
 
 def _expected_tokens(policy: AdaptiveWidth, drafted: Draft) -> list[float]:
@@ -181,7 +182,8 @@ def commit(sequence: Sequence, drafted: Draft, verdict: Verdict, out: TargetOutp
     sequence.position += len(kept)
     sequence.last_token = verdict.next_token
     new_tokens = kept_tokens[1:] + [verdict.next_token]
-    step = Step(new_tokens, max(block.depths), verdict.num_accepted, num_verified=block.width)
+    step = Step(new_tokens, max(block.depths), verdict.num_accepted, num_verified=block.width,
+                chosen_width=drafted.chosen_width)
     return sequence.record(step, decode=True)
 
 

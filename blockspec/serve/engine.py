@@ -356,7 +356,7 @@ class ServingEngine:
             self._finish(submission, TokenUpdate([], "error", error=f"decoding failed: {error}"))
 
     def _finish(self, submission: Submission, update: TokenUpdate) -> None:
-        if update.stats is not None and update.stats.acceptance_lengths:
+        if update.stats is not None and update.stats.steps:
             self.metrics.tau.observe(update.stats.tau)
         submission.done = True
         submission.deliver(update)
