@@ -54,10 +54,20 @@ GREEDY_CHAINS = [
 ]
 
 
+def chain_verdict(drafts, accepted, next_token) -> Verdict:
+    """A chain's verdict: the next token recovered where a draft was rejected, a bonus after the last."""
+    return Verdict(tuple(range(accepted)), next_token, recovered=accepted < len(drafts))
+
+
+def tree_verdict(path, next_token) -> Verdict:
+    """A walk of TREE's: the next token recovered where the node it stopped at had children."""
+    return Verdict(path, next_token, recovered=bool(TREE.children(path[-1] if path else -1)))
+
+
 @pytest.mark.parametrize("drafts,target,accepted,next_token", GREEDY_CHAINS)
 def test_greedy_chain(drafts, target, accepted, next_token):
     verdict = verify_chain(torch.tensor(drafts, dtype=torch.long), argmax_rows(target), GREEDY)
-    assert verdict == Verdict(tuple(range(accepted)), next_token)
+    assert verdict == chain_verdict(drafts, accepted, next_token)
     assert verdict.kept_rows == list(range(accepted + 1))
 
 
@@ -65,8 +75,8 @@ def test_greedy_chain(drafts, target, accepted, next_token):
 def test_greedy_chain_from_greedy_tokens_alone(drafts, target, accepted, next_token):
     """Replay gives the target's greedy tokens without logits: the same verdicts."""
     scores = TargetScores(greedy_tokens=torch.tensor(target))
-    assert verify_chain(torch.tensor(drafts, dtype=torch.long), scores, GREEDY) == Verdict(tuple(range(accepted)),
-                                                                                         next_token)
+    assert verify_chain(torch.tensor(drafts, dtype=torch.long), scores, GREEDY) == chain_verdict(drafts, accepted,
+                                                                                               next_token)
 
 
 # --- chains, sampled: target p per row, the draft's q per draft (None: a deterministic drafter) ---------------
@@ -92,7 +102,7 @@ def test_sampled_chain(drafts, target, draft_probs, accepted, next_token, seed):
     q = None if draft_probs is None else one_hot(draft_probs)
     verdict = verify_chain(torch.tensor(drafts, dtype=torch.long), TargetScores(probability_rows(target)), SAMPLED,
                            q, torch.Generator().manual_seed(seed))
-    assert verdict == Verdict(tuple(range(accepted)), next_token)
+    assert verdict == chain_verdict(drafts, accepted, next_token)
 
 
 def test_a_rejection_never_emits_what_the_draft_already_covered():
@@ -134,7 +144,7 @@ GREEDY_TREES = [
 @pytest.mark.parametrize("target,path,next_token", GREEDY_TREES)
 def test_greedy_tree(target, path, next_token):
     verdict = verify_tree(TREE, argmax_rows(target), GREEDY)
-    assert verdict == Verdict(path, next_token)
+    assert verdict == tree_verdict(path, next_token)
     assert verdict.kept_rows == [0] + [1 + node for node in path]
     assert verify_block(VerifyBlock([0, *TREE.tokens], 5, TREE.parents), argmax_rows(target), GREEDY) == verdict
 
@@ -143,7 +153,7 @@ def test_greedy_tree(target, path, next_token):
 def test_a_chain_block_is_verified_as_a_chain(drafts, target, accepted, next_token):
     for parents in (None, list(range(-1, len(drafts) - 1))):  # a chain, whether or not it says so
         verdict = verify_block(VerifyBlock([0, *drafts], 5, parents), argmax_rows(target), GREEDY)
-        assert verdict == Verdict(tuple(range(accepted)), next_token)
+        assert verdict == chain_verdict(drafts, accepted, next_token)
 
 
 # (p at each row: children are tried in order, each accepted with its share of what is left)
@@ -164,7 +174,7 @@ SAMPLED_TREES = [
 def test_sampled_tree(target, path, next_token, seed):
     rows = [row or {0: 1.0} for row in target]  # rows never reached still need a distribution
     verdict = verify_tree(TREE, TargetScores(probability_rows(rows)), SAMPLED, torch.Generator().manual_seed(seed))
-    assert verdict.path == path
+    assert verdict.path == path and verdict == tree_verdict(path, verdict.next_token)
     if next_token is not None:
         assert verdict.next_token == next_token
     else:  # after a full path, the token drawn from the last node's row

@@ -207,5 +207,5 @@ def _observe_verdict(policy: AdaptiveWidth, drafted: Draft, verdict: Verdict) ->
 
 def _first_token(scores: TargetScores, sequence: Sequence) -> int:
     if sequence.sampling.greedy:
-        return int(scores.choices()[-1])
+        return int(scores.argmax()[-1])
     return int(sample_from(scores.probs(sequence.sampling)[-1], sequence.generator))

@@ -40,7 +40,7 @@ class TargetScores:
     def device(self) -> torch.device:
         return (self.logits if self.logits is not None else self.greedy_tokens).device
 
-    def choices(self) -> torch.Tensor:
+    def argmax(self) -> torch.Tensor:
         """The target's argmax token at each row."""
         return self.greedy_tokens if self.greedy_tokens is not None else self.logits.argmax(dim=-1)
 
@@ -56,6 +56,10 @@ class Verdict:
 
     path: tuple[int, ...]
     next_token: int
+    #: In vLLM's terms: the next token was recovered (drawn where a draft on offer was rejected: from the
+    #: residual, or greedily the target's own token there), not a bonus (after the path's last draft, with
+    #: no draft left to try).
+    recovered: bool = False
 
     @property
     def num_accepted(self) -> int:
@@ -87,8 +91,8 @@ def verify_chain(draft_tokens: torch.Tensor, scores: TargetScores, sampling: Sam
     deterministic drafter.
     """
     if sampling.greedy:
-        accepted = _greedy_prefix(draft_tokens, scores.choices())
-        return Verdict(tuple(range(accepted)), int(scores.choices()[accepted]))
+        accepted = _greedy_prefix(draft_tokens, scores.argmax())
+        return Verdict(tuple(range(accepted)), int(scores.argmax()[accepted]), accepted < draft_tokens.shape[0])
     target_probs = scores.probs(sampling)
     n = draft_tokens.shape[0]
     if n == 0:
@@ -101,14 +105,14 @@ def verify_chain(draft_tokens: torch.Tensor, scores: TargetScores, sampling: Sam
     if accepted == n:
         return Verdict(tuple(range(n)), int(sample_from(target_probs[n], generator)))
     residual = _residual(target_probs, draft_probs, draft_tokens, accepted)
-    return Verdict(tuple(range(accepted)), int(sample_from(residual, generator)))
+    return Verdict(tuple(range(accepted)), int(sample_from(residual, generator)), recovered=True)
 
 
 def verify_tree(tree: Tree, scores: TargetScores, sampling: SamplingConfig,
                 generator: torch.Generator | None = None) -> Verdict:
     """Walk down the tree: row 0 of ``scores`` is the root's, row 1 + i node i."""
     path, row, node = [], 0, -1
-    choices = scores.choices() if sampling.greedy else None
+    choices = scores.argmax() if sampling.greedy else None
     probs = None if sampling.greedy else scores.probs(sampling)
     while True:
         children = tree.children(node)
@@ -119,7 +123,7 @@ def verify_tree(tree: Tree, scores: TargetScores, sampling: SamplingConfig,
         else:
             match, token = _accept_among(children, tree, probs[row], generator)
         if match is None:
-            return Verdict(tuple(path), token)
+            return Verdict(tuple(path), token, recovered=bool(children))
         path.append(match)
         node, row = match, 1 + match
 
