@@ -52,7 +52,8 @@ def parse_args():
 
 
 def prompts(target, count):
-    rows = [row for name in ("gsm8k", "humaneval", "mt_bench") for row in load_benchmark_prompts(name, num_prompts=count)]
+    rows = [row for name in ("gsm8k", "humaneval", "mt_bench")
+            for row in load_benchmark_prompts(name, num_prompts=count)]
     return [torch.tensor(target.encode_prompt(row["turns"][0])) for row in rows[:count]]
 
 

@@ -152,15 +152,17 @@ def test_auto_needs_a_drafter_and_other_values_are_refused():
 
 
 def test_the_calibration_converges_to_the_true_acceptance():
-    """A synthetic drafter whose draft k is accepted with probability conf**2."""
+    """A synthetic drafter whose draft k is accepted with probability conf**2 (a chain's verdicts, as the
+    policy learns from them)."""
     rng = random.Random(0)
-    calibrator = AcceptanceCalibrator()
+    policy = AdaptiveWidth(CostModel([1.0] * 7))
+    calibrator = policy.calibrator
     for _ in range(20000):
         confidences = [rng.random() for _ in range(6)]
         accepted = 0
         while accepted < 6 and rng.random() < confidences[accepted] ** 2:
             accepted += 1
-        calibrator.observe(confidences, accepted)
+        policy.observe(confidences, None, list(range(accepted)))
     for confidence in (0.15, 0.35, 0.55, 0.75, 0.95):
         low = int(confidence * 20) / 20  # the bin's mean of conf**2
         truth = ((low + 0.05) ** 3 - low ** 3) / 3 / 0.05

@@ -11,7 +11,8 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
 def lint_imports(project: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=project, env=dict(os.environ, PYTHONPATH=str(project)),
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=project,
+                          env=dict(os.environ, PYTHONPATH=str(project)),
                           capture_output=True, text=True, timeout=120)
 
 

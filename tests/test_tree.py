@@ -175,7 +175,8 @@ def test_the_tree_size_policy_weighs_reach_against_cost():
     assert walked_levels(tree.parents, [0], [0.9, 0.5, 0.8]) == [([0.9, 0.5], 0), ([0.8], None)]
 
 
-@pytest.mark.parametrize("path, learnt", [([], [(0.9, 0)]), ([0], [(0.9, 1), (0.8, 0)]), ([0, 1], [(0.9, 1), (0.8, 1)])])
+@pytest.mark.parametrize("path, learnt", [([], [(0.9, 0)]), ([0], [(0.9, 1), (0.8, 0)]),
+                                          ([0, 1], [(0.9, 1), (0.8, 1)])])
 def test_a_chain_is_learnt_from_as_the_tree_it_is(path, learnt):
     """A chain's verdict counts as a one-child-per-level tree's: each draft reached is tried, those on the path
     accepted, the next (if any) rejected, the rest unseen."""

@@ -20,6 +20,11 @@ from functools import cached_property
 import torch
 
 
+def chain_parents(count: int) -> list[int]:
+    """The parents of ``count`` drafts that follow one another: each hangs under the one before."""
+    return list(range(-1, count - 1))
+
+
 @dataclass
 class VerifyBlock:
     tokens: list[int]
@@ -30,7 +35,7 @@ class VerifyBlock:
 
     def __post_init__(self):
         if self.parents is None:
-            self.parents = list(range(-1, len(self.tokens) - 2))
+            self.parents = chain_parents(len(self.tokens) - 1)
         if len(self.parents) != len(self.tokens) - 1:
             raise ValueError(f"a block of {len(self.tokens)} tokens has {len(self.tokens) - 1} drafts, "
                              f"not {len(self.parents)} parents")
@@ -41,7 +46,7 @@ class VerifyBlock:
 
     @cached_property
     def is_chain(self) -> bool:
-        return self.parents == list(range(-1, self.width - 2))
+        return self.parents == chain_parents(self.width - 1)
 
     @cached_property
     def depths(self) -> list[int]:

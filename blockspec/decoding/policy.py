@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from blockspec.decoding.block import chain_parents
 from blockspec.decoding.costs import EMA_WEIGHT, CostModel, cost_model_for
 from blockspec.errors import BlockspecError
 
@@ -57,14 +58,6 @@ class AcceptanceCalibrator:
             self.tried = [0.0] * self.bins
             self.accepted = [0.0] * self.bins
         self._table: list[float] | None = None
-
-    def observe(self, confidences, num_accepted: int) -> None:
-        """One verify: drafts 1..num_accepted were accepted, the next (if any) rejected, later ones unseen."""
-        for k, confidence in enumerate(confidences[: num_accepted + 1]):
-            b = self._bin(float(confidence))
-            self.tried[b] += 1
-            self.accepted[b] += k < num_accepted
-        self._table = None
 
     def observe_candidates(self, confidences, accepted_index: int | None) -> None:
         """One tree level: candidate children tried together, at most one of them accepted."""
@@ -207,10 +200,6 @@ class AdaptiveWidth:
 def batch_bucket(batch: int) -> int:
     """The batch sizes whose drafting speed is tracked together: the largest power of two <= ``batch``."""
     return 1 << (max(batch, 1).bit_length() - 1)
-
-
-def chain_parents(count: int) -> list[int]:
-    return list(range(-1, count - 1))
 
 
 def walked_levels(parents: list[int], path: list[int], confidences) -> list[tuple[list[float], int | None]]:

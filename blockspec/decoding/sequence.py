@@ -156,9 +156,9 @@ class GenerationStats:
     def to_dict(self) -> dict:
         data = {key: value for key, value in asdict(self).items() if key != "steps"}
         data.update(acceptance_lengths=self.acceptance_lengths, drafted=self.drafted, accepted=self.accepted,
-                    verified=self.verified, tau=self.tau, tokens_per_s=self.tokens_per_s, target_forwards=self.target_forwards,
-                    draft_ms_per_step=self.draft_ms_per_step, verify_ms_per_step=self.verify_ms_per_step,
-                    draft_share=self.draft_share, acceptance_by_position=self.acceptance_by_position())
+                    verified=self.verified, tau=self.tau, tokens_per_s=self.tokens_per_s,
+                    target_forwards=self.target_forwards, draft_ms_per_step=self.draft_ms_per_step,
+                    verify_ms_per_step=self.verify_ms_per_step, draft_share=self.draft_share, acceptance_by_position=self.acceptance_by_position())
         return data
 
 
@@ -191,6 +191,7 @@ class Sequence:
     #: The next token to feed (picked by the target, not yet in its cache) and its position.
     last_token: int = 0
     position: int = 0
+
     @property
     def widths(self) -> list[int]:
         """The verify widths the width policy chose, step by step."""

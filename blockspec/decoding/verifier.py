@@ -91,8 +91,9 @@ def verify_chain(draft_tokens: torch.Tensor, scores: TargetScores, sampling: Sam
     deterministic drafter.
     """
     if sampling.greedy:
-        accepted = _greedy_prefix(draft_tokens, scores.argmax())
-        return Verdict(tuple(range(accepted)), int(scores.argmax()[accepted]), accepted < draft_tokens.shape[0])
+        choices = scores.argmax()
+        accepted = _greedy_prefix(draft_tokens, choices)
+        return Verdict(tuple(range(accepted)), int(choices[accepted]), accepted < draft_tokens.shape[0])
     target_probs = scores.probs(sampling)
     n = draft_tokens.shape[0]
     if n == 0:

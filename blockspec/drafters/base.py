@@ -43,11 +43,6 @@ class Proposal:
             return None
         return [1.0] * len(self.tokens)
 
-    def truncated(self, count: int) -> "Proposal":
-        """The first ``count`` drafts (a prefix is a valid proposal: the verifier checks drafts in order)."""
-        cut = lambda t: None if t is None else t[:count]  # noqa: E731
-        return Proposal(self.tokens[:count], cut(self.probs), cut(self.confidence))
-
 
 #: A drafter's per-sequence state: whatever its ``start`` returns (caches, history, pending features).
 DraftState = Any

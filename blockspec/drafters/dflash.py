@@ -210,25 +210,18 @@ class DFlashDrafter(PositionwiseDrafter):
         (their weights read once), each row attending its own context cache."""
         if len(states) == 1 or self.denoise_steps > 1 or not self.model.attends_rows_alike:
             return super().rows_logits(states, last_tokens, num_tokens)
-        block_ids = torch.full((len(states), num_tokens + 1), self.mask_token_id, dtype=torch.long, device=self.device)
-        block_ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long, device=self.device)
-        starts = [s.cache.length + (0 if s.pending is None else s.pending.shape[1]) for s in states]
-        positions = torch.tensor(starts, device=self.device).unsqueeze(1) + \
+        block_ids = self._block_ids(last_tokens, num_tokens)
+        positions = torch.tensor([_block_start(s) for s in states], device=self.device).unsqueeze(1) + \
             torch.arange(num_tokens + 1, device=self.device).unsqueeze(0)
         embeddings = self.model.embed_block(self.embed_tokens, block_ids).to(self.dtype)
         contexts = [None if s.pending is None else s.pending.to(self.dtype) for s in states]
         hidden = self.model.forward_rows(embeddings, positions, contexts, [s.cache for s in states])[:, 1:]
-        heads = self.lm_head(hidden.reshape(-1, hidden.shape[-1]).to(self.head_dtype)).float()
+        heads = self.lm_head(hidden.reshape(-1, hidden.shape[-1]).to(self.head_dtype))
         heads = heads.view(len(states), num_tokens, -1)
         rows = []
         for row, state in enumerate(states):
             state.pending, state.commit_counts = None, denoise_schedule(num_tokens, 1)
-            logits = heads[row]
-            if state.sequence_rows is not None:
-                own = F.linear(hidden[row], state.sequence_rows.weight).float()
-                logits = torch.cat([logits, own], dim=-1)
-            rows.append((logits if self.model.logit_scale == 1.0 else logits * self.model.logit_scale,
-                         self.row_ids(state)))
+            rows.append((self._scored(hidden[row], heads[row], state), self.row_ids(state)))
         return rows
 
     def row_ids(self, state: DFlashState) -> torch.LongTensor | None:
@@ -252,10 +245,8 @@ class DFlashDrafter(PositionwiseDrafter):
         Row i comes from the pass that committed position i, so its argmax is that position's
         draft. Only the first pass appends the pending context features to the cache.
         """
-        pending = state.pending
-        start = state.cache.length + (0 if pending is None else pending.shape[1])
-        block_ids = torch.full((1, num_tokens + 1), self.mask_token_id, dtype=torch.long, device=self.device)
-        block_ids[0, 0] = last_token
+        pending, start = state.pending, _block_start(state)
+        block_ids = self._block_ids([last_token], num_tokens)
         logits = self._block_logits(state, block_ids, start, pending)
         state.pending = None
         schedule = denoise_schedule(num_tokens, self.denoise_steps)
@@ -283,12 +274,28 @@ class DFlashDrafter(PositionwiseDrafter):
             position_ids(start - context.shape[1], context.shape[1], self.device)
         embeddings = self.model.embed_block(self.embed_tokens, block_ids).to(self.dtype)
         hidden = self.model(embeddings, position_ids(start, block_ids.shape[1], self.device),
-                            None if context is None else context.to(self.dtype), context_positions, state.cache)
-        logits = self.lm_head(hidden[0, 1:].to(self.head_dtype))
+                            None if context is None else context.to(self.dtype), context_positions, state.cache)[0, 1:]
+        return self._scored(hidden, self.lm_head(hidden.to(self.head_dtype)), state)
+
+    def _block_ids(self, last_tokens: list[int], num_tokens: int) -> torch.LongTensor:
+        """[B, 1 + num_tokens]: each row's last token, then MASK at every position to draft."""
+        block_ids = torch.full((len(last_tokens), num_tokens + 1), self.mask_token_id, dtype=torch.long,
+                               device=self.device)
+        block_ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long, device=self.device)
+        return block_ids
+
+    def _scored(self, hidden: torch.Tensor, head: torch.Tensor, state: DFlashState) -> torch.Tensor:
+        """Logits [n, K] in float32 from the block's final hidden states [n, D] and the head's output over
+        them: the head's rows, then the sequence's own tokens'."""
         if state.sequence_rows is not None:
-            logits = torch.cat([logits, F.linear(hidden[0, 1:], state.sequence_rows.weight)], dim=-1)
-        logits = logits.float()
+            head = torch.cat([head, F.linear(hidden, state.sequence_rows.weight)], dim=-1)
+        logits = head.float()
         return logits if self.model.logit_scale == 1.0 else logits * self.model.logit_scale
+
+
+def _block_start(state: DFlashState) -> int:
+    """The position of the block's first row: after the cached context and the features still pending."""
+    return state.cache.length + (0 if state.pending is None else state.pending.shape[1])
 
 
 def build(directory, target, *, sample_drafts: bool = True, denoise_steps: int = 1,

@@ -7,7 +7,6 @@ the engine thread starts and stops with the app's lifespan.
 from __future__ import annotations
 
 import asyncio
-
 import json
 import logging
 import time
@@ -44,8 +43,7 @@ log = logging.getLogger("blockspec.serve")
 _DEFAULT_CHAT_TOKENS = 4096
 
 
-def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-               max_queue: int = 64,
+def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 64,
                api_keys: str | Sequence[str] | None = None, decoding: DecodingOptions | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving ``target`` under its name; ``api_keys`` (one or several) turn on Bearer
@@ -258,8 +256,6 @@ def _completion_prompts(target: Target, body: CompletionRequest) -> list[list[in
     a list of texts or of token-id lists is several prompts, each answered as its own choice."""
     _check_model(target, body.model)
     prompt = body.prompt
-    if isinstance(prompt, list) and not prompt:
-        raise bad_request("the prompt is empty: give some text or token ids", param="prompt")
     if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
         prompts = [prompt]
     else:

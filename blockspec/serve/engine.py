@@ -137,8 +137,7 @@ _IDLE_CHECK_S = 0.5
 class ServingEngine:
     """Owns the ``BatchEngine`` thread; ``submit`` and ``cancel`` are called from the event loop."""
 
-    def __init__(self, target_model, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 max_queue: int = 64,
+    def __init__(self, target_model, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 64,
                  metrics: ServerMetrics | None = None, per_sequence: bool = False, compile: str = "off"):
         if per_sequence:
             self.engine = SequentialEngine(target_model, drafter)
