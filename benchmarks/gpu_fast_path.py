@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.fast import FastForward, StaticTarget
 from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.fast import FastForward, StaticTarget
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.generate import speculative_generate, warm_up_fast_path
 from blockspec.decoding.sequence import GenerationConfig
@@ -92,7 +92,7 @@ def verify_costs(model, widths, context, repeats, layers) -> dict:
 def draft_cost(model, repeats) -> float | None:
     """Seconds of one DFlash pass over a 16-block (the shipped drafter's shape; SmolLM2 targets only)."""
     from blockspec.drafters.dflash import DFlashDrafter
-    from blockspec.models.dflash import load_dflash_model
+    from blockspec.models.dflash.checkpoint import load_dflash_model
     from blockspec.sampling import SamplingConfig
 
     if model.config.hidden_size != 576:

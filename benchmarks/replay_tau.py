@@ -25,7 +25,7 @@ from blockspec.drafters.registry import build_drafter
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import read_config
-from blockspec.models.dflash import has_reduced_vocabulary
+from blockspec.models.dflash.config import has_reduced_vocabulary
 from blockspec.models.target import load_target
 from blockspec.training.vocabulary import target_vocabulary
 

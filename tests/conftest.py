@@ -21,7 +21,7 @@ def tiny_target_dir(tmp_path_factory):
 def tiny_draft_dir(tiny_target_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from blockspec.models.dflash import save_dflash_model
+    from blockspec.models.dflash.checkpoint import save_dflash_model
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     directory = tmp_path_factory.mktemp("tiny-draft") / "draft"

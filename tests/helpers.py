@@ -26,7 +26,8 @@ from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.dllm.model import HFDiffusionModel
 from blockspec.drafters.base import PositionwiseDrafter, Proposal
-from blockspec.models.dflash import DFlashDraftModel, make_dflash_config
+from blockspec.models.dflash.config import make_dflash_config
+from blockspec.models.dflash.modules import DFlashDraftModel
 from blockspec.models.eagle3 import Eagle3DraftModel, make_eagle3_config
 from blockspec.models.mtp import MTPDraftModel, make_mtp_config
 from blockspec.models.target import Target, load_target

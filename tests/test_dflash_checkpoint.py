@@ -10,13 +10,9 @@ from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import CheckpointError, IncompatibleDraftError
-from blockspec.models.dflash import (
-    LayerAttention,
-    apply_rotary,
-    load_dflash_model,
-    save_dflash_model,
-    select_target_layers,
-)
+from blockspec.models.dflash.checkpoint import load_dflash_model, save_dflash_model
+from blockspec.models.dflash.config import LayerAttention, select_target_layers
+from blockspec.models.dflash.modules import apply_rotary
 from helpers import make_causal_lm, make_dflash
 
 LAYER_KEYS = [

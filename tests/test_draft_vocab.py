@@ -11,7 +11,7 @@ from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import CheckpointError, IncompatibleDraftError
-from blockspec.models.dflash import load_dflash_model, save_dflash_model
+from blockspec.models.dflash.checkpoint import load_dflash_model, save_dflash_model
 from blockspec.models.draft_vocab import most_frequent
 from blockspec.sampling import SamplingConfig
 from helpers import (

@@ -11,7 +11,7 @@ from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.eagle3_mtp import RecursiveDrafter
 from blockspec.drafters.registry import detect_method
 from blockspec.errors import CheckpointError
-from blockspec.models.dflash import load_dflash_model, save_dflash_model
+from blockspec.models.dflash.checkpoint import load_dflash_model, save_dflash_model
 from blockspec.models.eagle3 import load_eagle3_model
 from blockspec.models.export import export_draft
 from helpers import decode, make_causal_lm, make_dflash, make_recursive, prompts

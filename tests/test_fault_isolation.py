@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from blockspec.drafters.dflash import DFlashDrafter
-from blockspec.models.dflash import load_dflash_model
+from blockspec.models.dflash.checkpoint import load_dflash_model
 from blockspec.serve.app import create_app
 from blockspec.serve.engine import DecodingOptions
 from helpers import load_served_target, running_server

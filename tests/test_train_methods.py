@@ -106,7 +106,7 @@ def test_interrupted_and_resumed_run_reproduces_the_losses(learned_target, train
 
 
 def test_reduced_dflash_trains_on_its_rows_and_counts_the_labels_outside(learned_target, training_data, tmp_path):
-    from blockspec.models.dflash import load_dflash_model
+    from blockspec.models.dflash.checkpoint import load_dflash_model
 
     target, _, _ = learned_target
     samples, _ = training_data

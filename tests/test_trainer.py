@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.models.dflash import load_dflash_model
+from blockspec.models.dflash.checkpoint import load_dflash_model
 from blockspec.tokens import pick_mask_token
 from blockspec.training import trainer as trainer_module
 from blockspec.training.anchors import build_blocks, loss_weights

@@ -16,7 +16,8 @@ from torch import nn
 
 from blockspec.drafters.base import PositionwiseDrafter, Proposal
 from blockspec.errors import BlockspecError
-from blockspec.models.dflash import ContextCache, DFlashDraftModel, check_fits_target, load_dflash_model
+from blockspec.models.dflash.checkpoint import check_fits_target, load_dflash_model
+from blockspec.models.dflash.modules import ContextCache, DFlashDraftModel
 from blockspec.models.packed import bf16_faster, linear_layers, module_twin, packing_available, plan_kernels, planned
 from blockspec.models.target import position_ids
 from blockspec.sampling import draft_confidence, sample_from, sampling_probs

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from blockspec.models.dflash import apply_rope
+from blockspec.models.dflash.modules import apply_rope
 from blockspec.models.draft_vocab import DraftVocabulary
 
 KeyValues = tuple[torch.Tensor, torch.Tensor]

@@ -88,7 +88,9 @@ class DFlashTraining:
         self.outside = 0
 
     def build(self, config, target, samples):
-        from blockspec.models.dflash import DFlashDraftModel, check_fits_target, make_dflash_config
+        from blockspec.models.dflash.checkpoint import check_fits_target
+        from blockspec.models.dflash.config import make_dflash_config
+        from blockspec.models.dflash.modules import DFlashDraftModel
         from blockspec.models.target import copy_final_norm
         from blockspec.tokens import pick_mask_token
 
@@ -115,7 +117,7 @@ class DFlashTraining:
         return model
 
     def load(self, directory):
-        from blockspec.models.dflash import load_dflash_model
+        from blockspec.models.dflash.checkpoint import load_dflash_model
 
         return load_dflash_model(directory)
 
