@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blockspec.decoding.batch import batch_generate
-from blockspec.decoding.cache import LinearStates
+from blockspec.decoding.linear_states import LinearStates
 from blockspec.decoding.policy import WidthPolicies
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter

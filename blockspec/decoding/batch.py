@@ -28,11 +28,13 @@ from typing import Iterator
 import torch
 
 from blockspec.clock import wall_clock
+from blockspec.decoding.batch_cache import BatchCache, check_batchable
 from blockspec.decoding.block import VerifyBlock, batch_masks
-from blockspec.decoding.cache import BatchCache, LinearStates, check_batchable, new_target_cache, sliding_window_of
+from blockspec.decoding.cache import new_target_cache, sliding_window_of
 from blockspec.decoding.costs import CostModel, batch_cost_model
 from blockspec.decoding.fast import StaticBatchTarget, compile_choice, fast_forward
 from blockspec.decoding.forward import TargetOutput
+from blockspec.decoding.linear_states import LinearStates
 from blockspec.decoding.policy import AUTO, WidthPolicies
 from blockspec.decoding.sequence import (
     GenerationConfig,

@@ -16,7 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from blockspec.decoding.block import VerifyBlock, sequence_mask
-from blockspec.decoding.cache import LinearStates, new_target_cache, rewind_cache, sliding_window_of, trim_to_window
+from blockspec.decoding.cache import new_target_cache, rewind_cache, sliding_window_of, trim_to_window
+from blockspec.decoding.linear_states import LinearStates
 from blockspec.decoding.verifier import TargetScores
 from blockspec.models.target import forward_options, layer_features
 

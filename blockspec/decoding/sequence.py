@@ -158,7 +158,8 @@ class GenerationStats:
         data.update(acceptance_lengths=self.acceptance_lengths, drafted=self.drafted, accepted=self.accepted,
                     verified=self.verified, tau=self.tau, tokens_per_s=self.tokens_per_s,
                     target_forwards=self.target_forwards, draft_ms_per_step=self.draft_ms_per_step,
-                    verify_ms_per_step=self.verify_ms_per_step, draft_share=self.draft_share, acceptance_by_position=self.acceptance_by_position())
+                    verify_ms_per_step=self.verify_ms_per_step, draft_share=self.draft_share,
+                    acceptance_by_position=self.acceptance_by_position())
         return data
 
 
