@@ -22,9 +22,10 @@ import psutil
 import torch
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.fast import FastForward, StaticTarget
 from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.fast import FastForward
 from blockspec.decoding.forward import SequenceTarget
+from blockspec.decoding.static_targets import StaticTarget
 from blockspec.hub import DEFAULT_TARGET
 from blockspec.models.target import load_target
 

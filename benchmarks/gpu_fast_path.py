@@ -26,10 +26,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from blockspec.clock import wall_clock
 from blockspec.decoding.block import VerifyBlock
-from blockspec.decoding.fast import FastForward, StaticTarget
+from blockspec.decoding.fast import FastForward
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.generate import speculative_generate, warm_up_fast_path
 from blockspec.decoding.sequence import GenerationConfig
+from blockspec.decoding.static_targets import StaticTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_DRAFT = ROOT / "blockspec" / "assets" / "dflash-smollm2-135m"

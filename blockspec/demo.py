@@ -55,7 +55,7 @@ def run_demo(target, drafter, prompts, *, max_new_tokens: int = DEFAULT_MAX_NEW_
     from rich.console import Console
 
     from blockspec.bench.methods import HFGenerateMethod
-    from blockspec.decoding.fast import compile_choice
+    from blockspec.decoding.compile_policy import compile_choice
     from blockspec.decoding.policy import AUTO, WidthPolicies
     from blockspec.decoding.sequence import GenerationConfig, resolve_block_size
     from blockspec.models.quantized import quantization_of

@@ -296,7 +296,7 @@ def test_router_outputs_are_left_off(arch):
 
 @pytest.mark.parametrize("arch", [f for f in FAMILIES if f not in ("llama", "qwen2", "qwen3")])
 def test_families_the_fast_path_does_not_run_decode_eagerly(arch):
-    from blockspec.decoding.fast import compile_choice
+    from blockspec.decoding.compile_policy import compile_choice
     from blockspec.errors import BlockspecError
 
     target = make_causal_lm(arch)

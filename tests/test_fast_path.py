@@ -1,14 +1,16 @@
-"""The fast path: a static KV cache, linear layers on measured kernels, compiled forwards; lossless against the eager path."""
+"""The fast path: a static KV cache, linear layers on measured kernels, compiled forwards; lossless against eager."""
 
 import pytest
 import torch
 
-from blockspec.decoding.fast import FastForward, StaticTarget, bucket_width, compile_choice
 from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.compile_policy import compile_choice
+from blockspec.decoding.fast import FastForward, bucket_width
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.generate import speculative_generate
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.decoding.static_cache import StaticKVCache, capacity_for
+from blockspec.decoding.static_targets import StaticTarget
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.tree import Tree
 from blockspec.errors import BlockspecError
@@ -176,7 +178,7 @@ def test_an_unsupported_target_is_refused_by_name_with_compile_on():
 
 @pytest.fixture(scope="module")
 def compiled_world(tmp_path_factory):
-    from blockspec.decoding.fast import configure_inductor
+    from blockspec.decoding.compile_policy import configure_inductor
 
     configure_inductor(str(tmp_path_factory.mktemp("inductor")))
     target = make_causal_lm("llama", vocab_size=320, num_hidden_layers=2, seed=7)
@@ -221,7 +223,7 @@ def test_a_thread_of_its_own_compiles_a_graph_per_bucket(compiled_world):
 
     import torch._dynamo
 
-    from blockspec.decoding.fast import GRAPH_LIMIT
+    from blockspec.decoding.compile_policy import GRAPH_LIMIT
 
     target, drafter, _ = compiled_world
     ids = prompts(320, count=1, seed=45)[0]

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from blockspec.cli import main
-from blockspec.decoding.fast import FastForward, compile_choice
+from blockspec.decoding.compile_policy import compile_choice
+from blockspec.decoding.fast import FastForward
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import BlockspecError
@@ -60,7 +61,7 @@ def test_speculative_decoding_of_a_half_precision_target_equals_its_own_greedy_d
 
 @pytest.mark.slow
 def test_the_compiled_fast_path_runs_the_half_precision_target_losslessly(tmp_path):
-    from blockspec.decoding.fast import configure_inductor
+    from blockspec.decoding.compile_policy import configure_inductor
 
     configure_inductor(str(tmp_path / "inductor"))
     target = quantize_target(make_causal_lm("llama", vocab_size=320, num_hidden_layers=2, seed=7), "fp16")

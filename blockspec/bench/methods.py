@@ -162,7 +162,7 @@ def _compile_everywhere():
     """HF's compile settings for generate, on any device (HF compiles by itself on GPUs only)."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    from blockspec.decoding.fast import configure_inductor
+    from blockspec.decoding.compile_policy import configure_inductor
 
     configure_inductor()  # its compiled graphs are cached beside the fast path's
     config = CompileConfig(mode="default" if not torch.cuda.is_available() else "reduce-overhead", dynamic=False)

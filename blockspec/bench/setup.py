@@ -47,7 +47,7 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
     """
     from transformers.utils import logging as hf_logging
 
-    from blockspec.decoding.fast import compile_choice
+    from blockspec.decoding.compile_policy import compile_choice
     from blockspec.drafters.draft_lm import load_draft_model
     from blockspec.models.target import load_target
 

@@ -48,7 +48,8 @@ def run_demo_command(args) -> int:
     from rich.markup import escape
     from transformers.utils import logging as hf_logging
 
-    from blockspec.decoding.fast import compile_choice, fast_forward
+    from blockspec.decoding.compile_policy import compile_choice
+    from blockspec.decoding.fast import fast_forward
     from blockspec.drafters.registry import load_drafter, shipped_draft
     from blockspec.models.target import load_target
 

@@ -140,7 +140,8 @@ def load_models(args):
     """
     from transformers.utils import logging as hf_logging
 
-    from blockspec.decoding.fast import compile_choice, fast_forward
+    from blockspec.decoding.compile_policy import compile_choice
+    from blockspec.decoding.fast import fast_forward
     from blockspec.drafters.registry import build_drafter
     from blockspec.models.target import load_target
 

@@ -31,8 +31,9 @@ from blockspec.clock import wall_clock
 from blockspec.decoding.batch_cache import BatchCache, check_batchable
 from blockspec.decoding.block import VerifyBlock, batch_masks
 from blockspec.decoding.cache import new_target_cache, sliding_window_of
+from blockspec.decoding.compile_policy import compile_choice
 from blockspec.decoding.costs import CostModel, batch_cost_model
-from blockspec.decoding.fast import StaticBatchTarget, compile_choice, fast_forward
+from blockspec.decoding.fast import fast_forward
 from blockspec.decoding.forward import TargetOutput
 from blockspec.decoding.linear_states import LinearStates
 from blockspec.decoding.policy import AUTO, WidthPolicies
@@ -47,6 +48,7 @@ from blockspec.decoding.sequence import (
     new_sequence,
     widest_verify,
 )
+from blockspec.decoding.static_targets import StaticBatchTarget
 from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import Drafter
@@ -248,7 +250,7 @@ class BatchEngine:
         """The engine's adaptive width for rows under ``config`` (as the sequence resolved it), timed through its
         own target."""
         return self.width_policies.get(self.model, widest_verify(drafter, config), tree=bool(config.tree_budget),
-                                       batched=self.target)
+                                       path=self.target.path, measure=self.target.cost_model)
 
     def step(self) -> list[BatchEvent]:
         """Admit queued rows, then one verify forward over every active row."""

@@ -11,10 +11,13 @@ Without a drafter the same loop decodes one token per forward (plain autoregress
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.fast import FastForward, StaticTarget, compile_choice, fast_forward
+from blockspec.decoding.compile_policy import compile_choice
+from blockspec.decoding.fast import FastForward, fast_forward
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.decoding.policy import WidthPolicies
 from blockspec.decoding.sequence import (
@@ -25,6 +28,7 @@ from blockspec.decoding.sequence import (
     new_sequence,
     widest_verify,
 )
+from blockspec.decoding.static_targets import StaticTarget, sequence_cost_model
 from blockspec.decoding.step import decode_step, end_sequence, prefill_step
 from blockspec.drafters.base import Drafter
 
@@ -43,8 +47,10 @@ class TokenStream(SequenceView):
         self.fast = fast if fast is not None else _fast_forward_for(target_model, drafter, config)
         if adapts_width(config):
             store = width_policies if width_policies is not None else WidthPolicies()
+            timing = {} if self.fast is None else {"path": self.fast.path,
+                                                   "measure": partial(sequence_cost_model, self.fast)}
             self.sequence.width_policy = store.get(target_model, widest_verify(drafter, config),
-                                                   tree=bool(config.tree_budget), fast=self.fast)
+                                                   tree=bool(config.tree_budget), **timing)
 
     @property
     def widths(self) -> list[int]:

@@ -227,13 +227,13 @@ class WidthPolicies:
         self.measure = measure
         self.policies: dict[tuple[str, int, str], AdaptiveWidth] = {}
 
-    def get(self, model, widest: int, *, tree: bool, fast=None, batched=None) -> AdaptiveWidth:
-        """``fast``: the fast path's forward the target runs through (its own T(w)), None for the eager one;
-        ``batched``: a batch engine's target (``path`` and ``cost_model(model, widest)``: T(B, w) for its rows)."""
-        timed = batched if batched is not None else fast
-        key = ("tree" if tree else "chain", widest, "dynamic" if timed is None else timed.path)
+    def get(self, model, widest: int, *, tree: bool, path: str = "dynamic",
+            measure: Callable[..., CostModel] | None = None) -> AdaptiveWidth:
+        """``path``: the name of the forward path the target runs through; ``measure(model, widest)``: its T(w)
+        (a batch engine's: T(B, w) for its rows), by default the eager forward's."""
+        key = ("tree" if tree else "chain", widest, path)
         if key not in self.policies:
-            measure = self.measure or (cost_model_for if timed is None else timed.cost_model)
+            measure = self.measure or measure or cost_model_for
             self.policies[key] = AdaptiveWidth(measure(model, widest))
         return self.policies[key]
 

@@ -1,0 +1,115 @@
+"""The targets of the fast path: one sequence's, and a batch's rows in the leading slots of one static cache."""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.costs import MEASURED_CONTEXT, CostModel, batch_cost_model, cost_model_for, measure_costs
+from blockspec.decoding.fast import FastForward
+from blockspec.decoding.forward import TargetOutput
+from blockspec.decoding.verifier import TargetScores
+
+
+def sequence_cost_model(fast: FastForward, model, widest: int) -> CostModel:
+    """T(w) of one sequence through the fast path (measuring it compiles every bucket up to ``widest`` on a first
+    run)."""
+    def measure(model, max_width):
+        if fast.progress is not None:
+            fast.progress(f"measuring the target's forward time at widths 1..{max_width} ({fast.path})")
+        length = MEASURED_CONTEXT + max_width + 1
+        return measure_costs(model, max_width, new_target=lambda: StaticTarget(fast, length))
+
+    return cost_model_for(model, widest, measure=measure, path=fast.path)
+
+
+class StaticTarget:
+    """One sequence's target forwards through the fast path: a ``VerifyTarget`` over a static cache."""
+
+    def __init__(self, fast: FastForward, length: int):
+        self.fast = fast
+        self.cache = fast.new_cache(length)
+
+    def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
+        logits, features = self.fast.prefill(self.cache, 0, input_ids)
+        return TargetOutput(TargetScores(logits[0]), features)
+
+    def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
+        (block,) = blocks
+        logits, features = self.fast.verify(self.cache, [block], [self.cache.lengths[0]])
+        width = block.width
+        return [TargetOutput(TargetScores(logits[0, :width]), None if features is None else features[:, :width])]
+
+    def keep(self, kept_rows: list[list[int]]) -> None:
+        (rows,) = kept_rows
+        self.cache.keep(0, rows)
+
+
+class StaticBatchTarget:
+    """The batch engine's target forwards through the fast path: rows in the leading slots of one static cache.
+
+    A new row is prefilled into the next free slot; a leaving row's slot is refilled by moving the last
+    row into it, so the active rows are always the first ones and a forward runs over exactly them.
+    Rows keep their own lengths (their own columns), so nothing is ever left-padded or compacted.
+    The cache grows (by doubling) as the longest row needs, and shrinks back when the rows that needed
+    it leave, so memory follows the rows decoding rather than the longest answer a request may ask for.
+    Runs eagerly (oneDNN-packed on a CPU): a batch's row count changes step to step.
+    """
+
+    def __init__(self, fast: FastForward, max_batch_size: int):
+        self.fast = fast
+        self.max_batch_size = max_batch_size
+        self.cache = fast.new_cache(0, batch=max_batch_size)
+        self.rows = 0
+
+    @property
+    def path(self) -> str:
+        """The forward path's name in the cost cache."""
+        return f"batch{self.max_batch_size}-{self.fast.path}"
+
+    def cost_model(self, model, widest: int) -> CostModel:
+        """T(B, w) of this path for 1..max_batch_size rows (measured once per machine, then read from disk)."""
+        def fresh():
+            target = StaticBatchTarget(self.fast, self.max_batch_size)
+            target.reserve(MEASURED_CONTEXT + widest + 1)
+            return target
+
+        return batch_cost_model(model, widest, self.max_batch_size, fresh, self.path)
+
+    def reserve(self, length: int) -> None:
+        """Make room for a row of up to ``length`` positions (the cache grows; rows keep their entries)."""
+        needed = self.fast.capacity(length)
+        if needed > self.cache.capacity:
+            self.cache = self.cache.resized(needed)
+
+    def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
+        row = self.rows
+        logits, features = self.fast.prefill(self.cache, row, input_ids)
+        self.rows += 1
+        return TargetOutput(TargetScores(logits[0]), features)
+
+    def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
+        self.reserve(max(b.start + b.width for b in blocks))
+        view = self.cache.leading(len(blocks))
+        logits, features = self.fast.verify(view, blocks, [b.start for b in blocks])
+        return [TargetOutput(TargetScores(logits[r, :b.width]),
+                             None if features is None else features[r:r + 1, :b.width])
+                for r, b in enumerate(blocks)]
+
+    def keep(self, kept_rows: list[list[int]]) -> None:
+        for row, rows in enumerate(kept_rows):
+            self.cache.keep(row, rows)
+
+    def keep_sequences(self, indices: list[int]) -> None:
+        """Only these rows (by index, in order) go on; the others leave their slots, and the cache shrinks to
+        what the rows left need once that is half of it or less (it only shrinks when rows leave, so it
+        cannot swing back and forth step by step)."""
+        for slot, row in enumerate(indices):
+            if row != slot:
+                self.cache.move_row(row, slot)
+        self.rows = len(indices)
+        for slot in range(self.rows, self.cache.batch):
+            self.cache.lengths[slot] = 0
+        needed = self.fast.capacity(max(self.cache.lengths[:self.rows], default=0))
+        if 2 * needed <= self.cache.capacity:
+            self.cache = self.cache.resized(needed)
