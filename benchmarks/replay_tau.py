@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("results", help="results.json of a greedy blockspec bench run (its ar records)")
     parser.add_argument("--draft", nargs="+", required=True, metavar="DIR", help="DFlash drafter directories")
     parser.add_argument("--methods", nargs="+", default=["dflash"],
-                        help="drafting methods over each drafter: dflash, dflash+suffix, dflash+ngram, suffix "
+                        help="drafting methods over each drafter: dflash, dflash+suffix, dflash+lookup, suffix "
                              "(copy sources remember each replayed answer, as a server remembers its outputs)")
     parser.add_argument("--target", default=None, help="target (default: the run's)")
     parser.add_argument("--quantize", default="none", metavar="{none,fp16}",

@@ -121,13 +121,14 @@ def test_sampled_rows_are_reproducible_and_match_the_row_alone(target, method):
 
 
 def tree_prototypes(target):
-    from blockspec.drafters.suffix import HybridDrafter, SuffixDrafter
+    from blockspec.drafters.hybrid import HybridDrafter
+    from blockspec.drafters.suffix import SuffixDrafter
 
     dflash = DFlashDrafter(make_dflash(target, block_size=8), target)
-    return {"dflash": dflash, "dflash+ngram": HybridDrafter(dflash, SuffixDrafter(None), name="dflash+ngram")}
+    return {"dflash": dflash, "dflash+lookup": HybridDrafter(dflash, SuffixDrafter(None), name="dflash+lookup")}
 
 
-@pytest.mark.parametrize("method", ["dflash", "dflash+ngram"])
+@pytest.mark.parametrize("method", ["dflash", "dflash+lookup"])
 def test_rows_verifying_token_trees_equal_rows_decoded_alone(target, method):
     """Rows of one batch verify trees of different shapes (and some a chain) in one forward."""
     prototype = tree_prototypes(target)[method]
@@ -167,7 +168,7 @@ def cheap_widths(model, widest):
     return FixedCosts([1.0 + 0.02 * w for w in range(widest)])
 
 
-@pytest.mark.parametrize("method", ["dflash", "ngram", "dflash+ngram"])
+@pytest.mark.parametrize("method", ["dflash", "ngram", "dflash+lookup"])
 def test_adaptive_rows_equal_greedy_decoding(target, method):
     """Rows with the adaptive width (chains and trees, beside a fixed-width row) share one width a step,
     and every row's tokens equal plain greedy decoding."""
@@ -199,7 +200,7 @@ def test_a_batch_cuts_its_rows_to_one_width(target):
 
 
 def test_sampled_tree_rows_match_the_row_alone(target):
-    prototype = tree_prototypes(target)["dflash+ngram"]
+    prototype = tree_prototypes(target)["dflash+lookup"]
     cases = mixed_prompts()[:4]
     configs = [GenerationConfig(max_new_tokens=12, temperature=0.8, seed=7 + i, tree_budget=8, block_size=8)
                for i in range(len(cases))]

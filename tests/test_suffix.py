@@ -125,7 +125,8 @@ import torch  # noqa: E402
 
 from blockspec.decoding.sequence import GenerationConfig  # noqa: E402
 from blockspec.drafters.dflash import DFlashDrafter  # noqa: E402
-from blockspec.drafters.suffix import HybridDrafter, SuffixDrafter, SuffixStore  # noqa: E402
+from blockspec.drafters.hybrid import HybridDrafter  # noqa: E402
+from blockspec.drafters.suffix import SuffixDrafter, SuffixStore  # noqa: E402
 from blockspec.sampling import SamplingConfig  # noqa: E402
 from helpers import (  # noqa: E402
     MAX_NEW,
@@ -156,10 +157,10 @@ def drafters(target):
     dflash = DFlashDrafter(make_dflash(target, block_size=8), target)
     return {"suffix": SuffixDrafter(SuffixStore()),
             "dflash+suffix": HybridDrafter(dflash, SuffixDrafter(SuffixStore())),
-            "dflash+ngram": HybridDrafter(dflash, SuffixDrafter(None), name="dflash+ngram")}
+            "dflash+lookup": HybridDrafter(dflash, SuffixDrafter(None), name="dflash+lookup")}
 
 
-@pytest.mark.parametrize("method", ["suffix", "dflash+suffix", "dflash+ngram"])
+@pytest.mark.parametrize("method", ["suffix", "dflash+suffix", "dflash+lookup"])
 @pytest.mark.parametrize("tree_budget", [None, 12])
 def test_suffix_and_hybrid_drafting_are_lossless(world, method, tree_budget):
     target, references = world

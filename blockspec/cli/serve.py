@@ -25,7 +25,7 @@ def add_serve_command(commands) -> None:
                              "else the drafter's trained size)")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="verify a token tree of this many draft nodes (dflash, suffix, dflash+suffix, "
-                             "dflash+ngram); each row of a batch verifies a tree of its own")
+                             "dflash+lookup); each row of a batch verifies a tree of its own")
     add_tree_top_k_option(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")

@@ -288,7 +288,7 @@ def check_tree_drafter(drafter: Drafter | None, tree_budget: int | None) -> None
     """Only a tree drafter proposes a token tree."""
     if tree_budget and not isinstance(drafter, TreeDrafter):
         raise BlockspecError("a token tree needs a drafter that proposes one (dflash, suffix, dflash+suffix, "
-                             f"dflash+ngram), not {'no drafter' if drafter is None else drafter.name}: "
+                             f"dflash+lookup), not {'no drafter' if drafter is None else drafter.name}: "
                              "drop --tree-budget or choose one of those methods")
 
 

@@ -55,11 +55,13 @@ METHODS: dict[str, DraftMethod] = {m.name: m for m in (
                 "a causal LM directory or a known model name such as qwen2.5-coder-0.5b-instruct", label="draft-model"),
     DraftMethod("ngram", None, (), "blockspec.drafters.ngram:build", "nothing (prompt lookup)"),
     DraftMethod("suffix", None, (), "blockspec.drafters.suffix:build", "nothing (suffix drafting)"),
-    DraftMethod("dflash+suffix", "checkpoint", (), "blockspec.drafters.suffix:build_hybrid",
+    DraftMethod("dflash+suffix", "checkpoint", (), "blockspec.drafters.hybrid:build_hybrid",
                 "a DFlash checkpoint directory", draft_of="dflash"),
-    DraftMethod("dflash+ngram", "checkpoint", (), "blockspec.drafters.suffix:build_hybrid_lookup",
+    DraftMethod("dflash+lookup", "checkpoint", (), "blockspec.drafters.hybrid:build_hybrid_lookup",
                 "a DFlash checkpoint directory", draft_of="dflash"),
 )}
+#: Methods' former names, pointed to their new ones.
+RENAMED_METHODS = {"dflash+ngram": "dflash+lookup"}
 #: Drafting methods, in the order they are listed to users.
 DRAFT_METHODS = tuple(METHODS)
 #: Methods that load a checkpoint of their own kind.
@@ -106,6 +108,8 @@ def build_drafter(method: str, target, draft: str | None = None, **options):
     spec = METHODS.get(method)
     if spec is None:
         hint = ": 'ar' decodes without a drafter (pass drafter=None)" if method == AUTOREGRESSIVE else ""
+        if method in RENAMED_METHODS:
+            hint = f": it is now called {RENAMED_METHODS[method]!r}"
         raise BlockspecError(f"unknown drafting method {method!r}{hint}; choose one of {', '.join(DRAFT_METHODS)}")
     if spec.draft is None and draft is not None:
         raise BlockspecError(f"the {method} method drafts from the context and takes no draft model, got {draft!r}")
