@@ -16,7 +16,7 @@ from blockspec.drafters.registry import build_drafter
 from blockspec.models.target import Target
 from blockspec.serve import engine as serve_engine
 from blockspec.serve.app import create_app
-from blockspec.serve.engine import StopStrings
+from blockspec.serve.generation import StopStrings
 from helpers import load_served_target, running_server
 
 pytestmark = pytest.mark.timeout(120)

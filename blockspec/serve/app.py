@@ -26,13 +26,8 @@ from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, re
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.auth import APIKeyGuard, api_key_list
-from blockspec.serve.engine import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DecodingOptions,
-    Generation,
-    PreparedRequest,
-    ServingEngine,
-)
+from blockspec.serve.engine import DEFAULT_MAX_BATCH_SIZE, DecodingOptions, ServingEngine
+from blockspec.serve.generation import Generation, PreparedRequest
 from blockspec.serve.limits import MAX_REQUEST_BYTES, BodySizeLimit, check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
 from blockspec.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request
