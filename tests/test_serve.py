@@ -15,6 +15,7 @@ import pytest
 from blockspec.drafters.registry import build_drafter
 from blockspec.models.target import Target
 from blockspec.serve import engine as serve_engine
+from blockspec.serve import generation as serve_generation
 from blockspec.serve.app import create_app
 from blockspec.serve.generation import StopStrings
 from helpers import load_served_target, running_server
@@ -205,7 +206,7 @@ def test_a_client_leaving_mid_stream_frees_its_row(served, monkeypatch):
 
 
 def test_a_client_giving_up_on_a_non_streamed_request_frees_its_row(served, monkeypatch):
-    monkeypatch.setattr(serve_engine, "_DISCONNECT_POLL_S", 0.05)
+    monkeypatch.setattr(serve_generation, "_DISCONNECT_POLL_S", 0.05)
     cancelled = []
     cancel = served.engine.engine.cancel
     monkeypatch.setattr(served.engine.engine, "cancel", lambda row: (cancelled.append(row), cancel(row)))

@@ -7,7 +7,7 @@ accept different lengths (a tree row its own path: each of its nodes sees its an
 at the position of its depth).
 
 The target's KV cache is one ``BatchCache`` [B, H, L, d] shared by all rows, with a validity
-mask [B, L] over its columns (``blockspec.decoding.cache``). The causal part of the attention
+mask [B, L] over its columns (``blockspec.decoding.batch_cache``). The causal part of the attention
 mask follows the cache columns and the padding part follows the validity mask, so masked
 holes are never attended. Each row carries its own position ids, so RoPE sees the row's own
 positions whatever its columns are. New rows are prefilled on their own (exactly as a single
@@ -20,10 +20,7 @@ own generator in the same order as alone (prefill pick, propose, verify).
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -37,12 +34,10 @@ from blockspec.decoding.fast import fast_forward
 from blockspec.decoding.forward import TargetOutput
 from blockspec.decoding.linear_states import LinearStates
 from blockspec.decoding.policy import AUTO, WidthPolicies
+from blockspec.decoding.rows import BatchEvent, Row, RowQueue
 from blockspec.decoding.sequence import (
     GenerationConfig,
     GenerationStats,
-    Sequence,
-    SequenceView,
-    Step,
     adapts_width,
     chain_unless_trees_verify,
     new_sequence,
@@ -56,30 +51,13 @@ from blockspec.errors import BlockspecError
 from blockspec.models.target import forward_options, layer_features
 
 
-@dataclass
-class Row(SequenceView):
-    """A queued or running sequence of an engine, with the time it was submitted."""
-
-    id: int
-    sequence: Sequence
-    submitted_at: float
-
-
-@dataclass
-class BatchEvent:
-    """A step one row produced; ``row.finished`` tells whether it was the row's last."""
-
-    row: Row
-    step: Step
-
-
 class BatchTarget:
     """The target's forwards for the batch's rows: each prefilled alone, all verified together.
 
     Every kind of cache layer is batched: attention and MLA layers share columns with a per-row
     validity mask; sliding-window layers keep every column and see their window through a mask
     built from each column's position; linear-attention layers hold one state per row, rolled back
-    row by row (``blockspec.decoding.cache``).
+    row by row (``blockspec.decoding.linear_states``).
     """
 
     def __init__(self, model, feature_layers: list[int] | None, pad_token_id: int = 0, max_batch_size: int = 8):
@@ -163,7 +141,7 @@ class BatchTarget:
         return features if length is None else features[:, :length]
 
 
-class BatchEngine:
+class BatchEngine(RowQueue):
     """Decodes many sequences at once; rows may join and leave between steps.
 
     ``drafter`` (None for plain autoregressive decoding) drafts for every row, each from its own
@@ -180,23 +158,14 @@ class BatchEngine:
                  compile: str = "off", width_policies: WidthPolicies | None = None):
         if max_batch_size < 1:
             raise BlockspecError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.model = target_model
-        self.drafter = drafter
+        super().__init__(target_model, drafter, width_policies)
         self.max_batch_size = max_batch_size
         self.compile = compile
-        self.width_policies = width_policies if width_policies is not None else WidthPolicies()
-        self.rows: list[Row] = []
-        self.waiting: deque[Row] = deque()
         layers = drafter.feature_layers if drafter is not None else None
         if compile_choice(target_model, compile)[0]:
             self.target = StaticBatchTarget(fast_forward(target_model, layers, compile=False), max_batch_size)
         else:
             self.target = BatchTarget(target_model, layers, max_batch_size=max_batch_size)
-        self._ids = itertools.count()
-        self._cancelled: set[int] = set()
-        #: Active rows, and the widest block, of each decode forward so far (for the batch figures).
-        self.batch_sizes: list[int] = []
-        self.verify_widths: list[int] = []
 
     @property
     def device(self) -> torch.device:
@@ -205,14 +174,6 @@ class BatchEngine:
     @property
     def cache(self):
         return self.target.cache
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.rows or self.waiting)
-
-    @property
-    def free_slots(self) -> int:
-        return self.max_batch_size - len(self.rows) - len(self.waiting)
 
     def fresh(self) -> "BatchEngine":
         """An empty engine over the same model and drafter (after a failed step)."""
@@ -228,13 +189,7 @@ class BatchEngine:
         sequence = new_sequence(self.model, input_ids, drafter, config)
         if adapts_width(config):
             sequence.width_policy = self._width_policy(drafter, sequence.config)
-        row = Row(next(self._ids), sequence, wall_clock(self.device))
-        self.waiting.append(row)
-        return row
-
-    def cancel(self, row: Row | int) -> None:
-        """Drop a row (queued or active) before the next step; it yields nothing more."""
-        self._cancelled.add(row if isinstance(row, int) else row.id)
+        return self._queue(sequence)
 
     def prepare(self, config: GenerationConfig, say=None) -> None:
         """Measure (or read from disk) the T(B, w) rows under ``config`` will choose their widths by."""
@@ -263,11 +218,6 @@ class BatchEngine:
             self._drop_finished()
         return events
 
-    def run(self) -> Iterator[BatchEvent]:
-        """Step until every queued and active row has finished."""
-        while self.has_work:
-            yield from self.step()
-
     def _admit(self) -> list[BatchEvent]:
         events = []
         while self.waiting and len(self.rows) < self.max_batch_size:
@@ -288,18 +238,6 @@ class BatchEngine:
         for row in self.rows:
             row.stats.total_time = now - row.submitted_at
         return [BatchEvent(row, step) for row, step in zip(self.rows, steps)]
-
-    def _drop_cancelled(self) -> None:
-        if not self._cancelled:
-            return
-        for row in [r for r in self.waiting if r.id in self._cancelled]:
-            self.waiting.remove(row)
-            row.stats.finish_reason = "cancelled"
-        for row in self.rows:
-            if row.id in self._cancelled:
-                row.stats.finish_reason = "cancelled"
-        self._cancelled.clear()
-        self._drop_finished()
 
     def _drop_finished(self) -> None:
         keep = [i for i, row in enumerate(self.rows) if not row.finished]

@@ -34,7 +34,8 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from blockspec.decoding.batch import BatchEngine, Row
+from blockspec.decoding.batch import BatchEngine
+from blockspec.decoding.rows import Row
 from blockspec.decoding.sequence import GenerationConfig, GenerationStats, preferred_decoding
 from blockspec.decoding.sequential import SequentialEngine
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
