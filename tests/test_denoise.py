@@ -65,7 +65,6 @@ def test_each_pass_commits_the_scheduled_tokens_and_context_enters_the_cache_onc
         logits = drafter.draft_logits(state, last_token=5, num_tokens=15)
     hook.remove()
     schedule = denoise_schedule(15, steps)
-    assert state.commit_counts == schedule
     assert len(passes) == len(inputs) == len(schedule)
     assert passes[0][1] is not None and all(context is None for _, context in passes[1:])
     assert state.cache.length == 6
@@ -95,7 +94,6 @@ def test_one_pass_is_todays_single_forward_bit_for_bit():
         second = drafter.draft_logits(state, 9, 7)
         assert torch.equal(first, one_forward(5, features, 0, 6))
         assert torch.equal(second, one_forward(9, more, 6, 9))
-    assert state.commit_counts == [7]
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +131,11 @@ def test_denoised_drafts_are_deterministic_when_sampling():
     drafter = DFlashDrafter(make_dflash(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5),
                             target, denoise_steps=2)
     state = drafter.start(PROMPT, torch.randn(1, 3, len(drafter.feature_layers) * target.config.hidden_size))
+    passes = []
+    drafter.model.register_forward_pre_hook(lambda module, args: passes.append(1))
     proposal = drafter.propose(state, 4, 3, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     assert proposal.probs is None and proposal.confidence is not None
-    assert state.commit_counts == [2, 1]
+    assert len(passes) == 2
 
 
 def sampled_first_tokens(target, drafter, sampling, samples):

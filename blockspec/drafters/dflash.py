@@ -8,7 +8,7 @@ target-head rows of the sequence's own tokens outside that vocabulary (see ``Seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -67,12 +67,10 @@ class SequenceRows:
 
 @dataclass
 class DFlashState:
-    """One sequence: the drafter's context cache, the features not yet in it, the last draft's passes."""
+    """One sequence: the drafter's context cache and the features not yet in it."""
 
     cache: ContextCache
     pending: torch.Tensor | None
-    #: Positions the last draft committed in each denoising pass.
-    commit_counts: list[int] = field(default_factory=list)
     #: The sequence's own tokens outside a reduced draft vocabulary (None: none, or not tracked).
     sequence_rows: SequenceRows | None = None
 
@@ -102,7 +100,8 @@ class DFlashDrafter(PositionwiseDrafter):
         self.embed_tokens = target_model.get_input_embeddings()
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         #: The LM head a pass spends most of its time in: the draft's own over its K-token vocabulary, else the
-        #: target's. With ``packed`` (a CPU), it and the drafter's linear layers run on the kernels measured fastest here.
+        #: target's. With ``packed`` (a CPU), it and the drafter's linear layers run on the kernels measured
+        #: fastest here.
         self.lm_head = model.lm_head if model.compressed else target_model.get_output_embeddings()
         #: Target id of each row of the head (None: the head is the target's, row = id).
         self.draft_to_target = model.draft_to_target.to(param.device) if model.compressed else None
@@ -140,7 +139,8 @@ class DFlashDrafter(PositionwiseDrafter):
                 bf16_faster(linear_layers(model), model.block_size)
             return torch.bfloat16 if fast else param.dtype
         if draft_dtype not in (torch.bfloat16, torch.float32):
-            raise BlockspecError(f"draft_dtype must be None, 'auto', torch.bfloat16 or torch.float32, got {draft_dtype!r}")
+            raise BlockspecError(f"draft_dtype must be None, 'auto', torch.bfloat16 or torch.float32, "
+                                 f"got {draft_dtype!r}")
         return draft_dtype
 
     def start(self, prompt_ids, features) -> DFlashState:
@@ -181,7 +181,7 @@ class DFlashDrafter(PositionwiseDrafter):
         # Drafted out of left-to-right order, a sampled token's q is not its distribution given the
         # drafts before it, so rejection sampling with q would be biased: denoised drafts are
         # deterministic (accepted with probability p(draft), exact for any deterministic draft).
-        denoised = len(state.commit_counts) > 1
+        denoised = len(denoise_schedule(num_tokens, self.denoise_steps)) > 1
         if sampling.greedy or not self.sample_drafts or denoised:
             rows = logits.argmax(dim=-1)
             return Proposal(self._target_ids(rows, row_ids), confidence=draft_confidence(logits, rows))
@@ -221,7 +221,7 @@ class DFlashDrafter(PositionwiseDrafter):
         heads = heads.view(len(states), num_tokens, -1)
         rows = []
         for row, state in enumerate(states):
-            state.pending, state.commit_counts = None, denoise_schedule(num_tokens, 1)
+            state.pending = None
             rows.append((self._scored(hidden[row], heads[row], state), self.row_ids(state)))
         return rows
 
@@ -251,7 +251,6 @@ class DFlashDrafter(PositionwiseDrafter):
         logits = self._block_logits(state, block_ids, start, pending)
         state.pending = None
         schedule = denoise_schedule(num_tokens, self.denoise_steps)
-        state.commit_counts = schedule
         if len(schedule) <= 1:  # one pass commits every position: nothing to rank or feed back
             return logits
         committed = torch.empty_like(logits)
