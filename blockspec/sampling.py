@@ -1,6 +1,6 @@
 """Sampling settings and the one place that turns logits into a sampling distribution.
 
-The target's and the drafter's logits go through the same function, so temperature,
+The target's and the drafter's logits go through the same function, so temperature, min-p,
 top-k and top-p act identically on both sides of the verifier.
 """
 
@@ -20,6 +20,8 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    #: Tokens whose probability is under min_p times the most probable one's are dropped (0 switches it off).
+    min_p: float = 0.0
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -28,6 +30,8 @@ class SamplingConfig:
             raise BlockspecError(f"top_p must be in (0, 1] (1 switches it off), got {self.top_p}")
         if self.top_k < 0:
             raise BlockspecError(f"top_k must be >= 0 (0 switches it off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise BlockspecError(f"min_p must be in [0, 1] (0 switches it off), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -43,9 +47,12 @@ class SamplingConfig:
 
 
 def sampling_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Probabilities [..., V] after temperature, top-k and top-p (float32)."""
+    """Probabilities [..., V] after temperature, min-p, top-k and top-p (float32), in vLLM's order."""
     scores = logits.float() / sampling.temperature
     vocab = scores.shape[-1]
+    if sampling.min_p > 0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if 0 < sampling.top_k < vocab:
         kth_best = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))

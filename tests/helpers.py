@@ -309,13 +309,18 @@ def chi_square_pvalue(counts: dict, probs: dict, total: int) -> float:
     return chisquare(observed, [e * scale for e in expected]).pvalue
 
 
-def exact_joint(target, sampling: SamplingConfig) -> dict:
-    """P(t1, t2, t3) under plain sampling from the target, by enumeration."""
+def exact_joint(target, sampling: SamplingConfig, adjust=None) -> dict:
+    """P(t1, t2, t3) under plain sampling from the target, by enumeration. ``adjust(logits [V], prompt, output)``:
+    what changes the logits of each position given the tokens before it (None: nothing)."""
     joint = {}
+    prompt = PROMPT[0].tolist()
     with torch.no_grad():
         for prefix in itertools.product(range(VOCAB), repeat=NEW_TOKENS - 1):
             ids = torch.cat([PROMPT, torch.tensor([prefix])], dim=1)
-            probs = sampling_probs(target(ids).logits[0, -NEW_TOKENS:], sampling)
+            logits = target(ids).logits[0, -NEW_TOKENS:]
+            if adjust is not None:
+                logits = torch.stack([adjust(logits[i], prompt, list(prefix[:i])) for i in range(NEW_TOKENS)])
+            probs = sampling_probs(logits, sampling)
             head = float(probs[0, prefix[0]] * probs[1, prefix[1]])
             for last in range(VOCAB):
                 joint[(*prefix, last)] = head * float(probs[2, last])
@@ -323,9 +328,10 @@ def exact_joint(target, sampling: SamplingConfig) -> dict:
 
 
 def sampled_joint(target, drafter, sampling: SamplingConfig, samples: int, *, block_size=3,
-                  tree_budget=None, tree_top_k=8, width_policies=None, fast=None) -> dict:
+                  tree_budget=None, tree_top_k=8, width_policies=None, fast=None, **options) -> dict:
     """Counts of the NEW_TOKENS-token outputs of ``samples`` speculative decodes, each seeded (through torch's
-    global generator with an adaptive width, which a request's own seed would pin to its widest)."""
+    global generator with an adaptive width, which a request's own seed would pin to its widest). ``options``:
+    further ``GenerationConfig`` fields."""
     counts = {}
     for seed in range(samples):
         if block_size == "auto":
@@ -333,7 +339,7 @@ def sampled_joint(target, drafter, sampling: SamplingConfig, samples: int, *, bl
         config = GenerationConfig(max_new_tokens=NEW_TOKENS, block_size=block_size, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=sampling.top_k,
                                   seed=None if block_size == "auto" else seed, tree_budget=tree_budget,
-                                  tree_top_k=tree_top_k)
+                                  tree_top_k=tree_top_k, min_p=sampling.min_p, **options)
         stream = decode(target, PROMPT, drafter, config, width_policies=width_policies, fast=fast)
         key = tuple(stream.token_ids)
         counts[key] = counts.get(key, 0) + 1

@@ -555,12 +555,9 @@ def test_a_body_under_the_limit_is_answered(small_limit):
 @pytest.mark.parametrize("endpoint,param,value", [
     ("chat/completions", "logprobs", True), ("chat/completions", "top_logprobs", 2),
     ("completions", "logprobs", 1), ("completions", "echo", True), ("completions", "suffix", "end"),
-    ("completions", "best_of", 2), ("chat/completions", "presence_penalty", 0.5),
-    ("chat/completions", "frequency_penalty", -1.0), ("chat/completions", "logit_bias", {"5": 10}),
-    ("chat/completions", "response_format", {"type": "json_object"}),
+    ("completions", "best_of", 2), ("chat/completions", "response_format", {"type": "json_object"}),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("chat/completions", "tool_choice", "required"), ("chat/completions", "min_p", 0.1),
-    ("chat/completions", "bad_words", ["no"]), ("chat/completions", "repetition_penalty", 1.2),
+    ("chat/completions", "tool_choice", "required"),
     ("chat/completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["a", "b"]),
     ("chat/completions", "functions", [{"name": "f"}]),
 ])
@@ -584,11 +581,45 @@ def test_neutral_values_of_those_parameters_are_answered(served):
 
 @pytest.mark.parametrize("param,value", [("presence_penalty", 5), ("frequency_penalty", "abc"),
                                          ("repetition_penalty", 0), ("min_p", 2), ("top_logprobs", 50),
-                                         ("stop_token_ids", [-1]), ("stop_token_ids", "7")])
+                                         ("stop_token_ids", [-1]), ("stop_token_ids", "7"),
+                                         ("logit_bias", {"5": 150}), ("logit_bias", {"five": 1}),
+                                         ("logit_bias", {"99999999": 1}), ("bad_words", [" "])])
 def test_out_of_range_values_of_them_are_a_400(served, param, value):
     url, target = served
     body = {"model": target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, param: value}
     assert openai_error(post(url, "chat/completions", body), 400)["param"] == param
+
+
+def _first_word(tokenizer, free):
+    word = tokenizer.decode(free[:2]).strip()
+    ids = {tuple(tokenizer.encode(text, add_special_tokens=False)) for text in (word, " " + word)}
+    return {"bad_words": [word]}, {"bad_words_ids": sorted(ids)}
+
+
+@pytest.mark.parametrize("case", [
+    lambda tokenizer, free: ({"presence_penalty": 1.5, "frequency_penalty": 1.0},) * 2,
+    lambda tokenizer, free: ({"repetition_penalty": 1.5},) * 2,
+    lambda tokenizer, free: ({"logit_bias": {str(free[0]): -100}}, {"logit_bias": {free[0]: -100.0}}),
+    _first_word,
+    # min_p 1 keeps only the most probable token: sampling becomes greedy decoding
+    lambda tokenizer, free: ({"min_p": 1.0, "temperature": 1.0, "seed": 3}, {}),
+])
+def test_penalties_bias_and_banned_words_are_honoured(served, case):
+    """The answer equals greedy decoding of the prompt with the same adjustments."""
+    url, target = served
+    prompt = "Natalia sold clips to 48 of her friends"
+    ids = target.encode_prompt(prompt, use_chat_template=False)
+    free = greedy_tokens(target, ids, 12, stop=False)
+    request, fields = case(target.tokenizer, free)
+    body = {"model": target.name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            **request}
+    answer = post(url, "completions", body).json()
+    config = GenerationConfig(max_new_tokens=12, **{"temperature": 0, **fields})
+    stream = speculative_generate(target.model, ids, None, config)
+    list(stream)
+    assert answer["choices"][0]["text"] == target.tokenizer.decode(stream.token_ids)
+    if "logit_bias" in request or "bad_words" in request:
+        assert stream.token_ids != free
 
 
 def test_stop_token_ids_end_the_answer(served):

@@ -57,6 +57,14 @@ class VerifyBlock:
         return depths
 
     @cached_property
+    def paths(self) -> list[list[int]]:
+        """Per row (the root first), the drafted tokens from the root down to it (the root's: none)."""
+        paths = [[]]
+        for node, parent in enumerate(self.parents):
+            paths.append(paths[1 + parent] + [self.tokens[1 + node]])
+        return paths
+
+    @cached_property
     def visibility(self) -> torch.Tensor:
         """[W, W] bool: which rows of the block each row sees (itself, the root and its ancestors)."""
         if self.is_chain:

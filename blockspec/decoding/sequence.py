@@ -6,15 +6,16 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from blockspec.decoding.adjust import LogitAdjustments
 from blockspec.decoding.cache import drafting_unsupported_reason, tree_unsupported_reason
 from blockspec.decoding.policy import AUTO, AdaptiveWidth, check_block_size
+from blockspec.drafters.base import Drafter, DraftState, TreeDrafter
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
+from blockspec.errors import BlockspecError
+from blockspec.sampling import SamplingConfig
 
 #: ``GenerationConfig.compile`` values.
 COMPILE_CHOICES = ("auto", "on", "off")
-from blockspec.drafters.base import Drafter, DraftState, TreeDrafter
-from blockspec.errors import BlockspecError
-from blockspec.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,18 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    #: Adjustments of the target's logits before each token is chosen (``blockspec.decoding.adjust``):
+    #: vLLM's and OpenAI's penalties, a per-token bias ({token id: bias}), banned token sequences.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    #: How many of the prompt's last tokens are output generated earlier (a request resumed from its tokens so
+    #: far): the adjustments over the output count them.
+    earlier_output: int = 0
     #: Tree verification: draft nodes per step (None: a chain), children per node at most.
     tree_budget: int | None = None
     tree_top_k: int = DEFAULT_TREE_TOP_K
@@ -43,14 +55,25 @@ class GenerationConfig:
             raise BlockspecError(f"tree_budget must be >= 1 draft nodes, got {self.tree_budget}")
         if self.tree_top_k < 1:
             raise BlockspecError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+        if self.earlier_output < 0:
+            raise BlockspecError(f"earlier_output must be >= 0 tokens, got {self.earlier_output}")
         if self.compile not in COMPILE_CHOICES:
             raise BlockspecError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
 
+        if isinstance(self.logit_bias, dict):  # kept as pairs: the config stays hashable
+            object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias.items()))
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(int(t) for t in word) for word in self.bad_words_ids))
         self.sampling  # validates the sampling values
+        self.adjustments  # and the adjustments
 
     @property
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_p, self.top_k, self.seed)
+        return SamplingConfig(self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
+
+    @property
+    def adjustments(self) -> LogitAdjustments:
+        return LogitAdjustments(self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+                                tuple(self.logit_bias), self.bad_words_ids)
 
 
 #: The token tree the command line, the demo and the server verify when the user names no width or
@@ -258,6 +281,9 @@ def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationCo
     ids = as_batch_of_one(input_ids, model.device)
     check_tree_drafter(drafter, config.tree_budget)
     check_drafting_target(model, drafter)
+    config.adjustments.check_vocabulary(model.config.get_text_config(decoder=True).vocab_size)
+    if config.earlier_output > ids.shape[1]:
+        raise BlockspecError(f"earlier_output {config.earlier_output} is more than the prompt's {ids.shape[1]} tokens")
     config = chain_unless_trees_verify(model, config)
     return Sequence(input_ids=ids, config=config, drafter=drafter,
                     block_size=resolve_block_size(drafter, config.block_size),

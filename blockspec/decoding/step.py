@@ -23,6 +23,7 @@ from functools import cached_property
 import torch
 
 from blockspec.clock import wall_clock
+from blockspec.decoding.adjust import adjust_scores
 from blockspec.decoding.block import VerifyBlock
 from blockspec.decoding.forward import TargetOutput, VerifyTarget
 from blockspec.decoding.policy import AdaptiveWidth
@@ -167,8 +168,9 @@ def _expected_tokens(policy: AdaptiveWidth, drafted: Draft) -> list[float]:
 
 
 def accept(sequence: Sequence, drafted: Draft, out: TargetOutput) -> Verdict:
-    """The verifier's decision on one sequence's block."""
-    return verify_block(drafted.block, out.scores, sequence.sampling, drafted.probs, sequence.generator)
+    """The verifier's decision on one sequence's block, each row scored as plain decoding would score it."""
+    scores = _adjusted(out.scores, sequence, drafted.block)
+    return verify_block(drafted.block, scores, sequence.sampling, drafted.probs, sequence.generator)
 
 
 def commit(sequence: Sequence, drafted: Draft, verdict: Verdict, out: TargetOutput) -> Step:
@@ -205,7 +207,18 @@ def _observe_verdict(policy: AdaptiveWidth, drafted: Draft, verdict: Verdict) ->
     policy.observe(drafted.confidences, drafted.parents, list(verdict.path))
 
 
+def _adjusted(scores: TargetScores, sequence: Sequence, block: VerifyBlock | None = None) -> TargetScores:
+    """The scores with the sequence's logit adjustments applied, each row in its own context."""
+    adjustments = sequence.config.adjustments
+    if not adjustments.active:
+        return scores
+    cut = sequence.input_ids.shape[1] - sequence.config.earlier_output
+    output = sequence.input_ids[0, cut:].tolist() + sequence.token_ids
+    return adjust_scores(scores, adjustments, sequence.input_ids[:, :cut], output, block)
+
+
 def _first_token(scores: TargetScores, sequence: Sequence) -> int:
+    scores = _adjusted(scores, sequence)
     if sequence.sampling.greedy:
         return int(scores.argmax()[-1])
     return int(sample_from(scores.probs(sequence.sampling)[-1], sequence.generator))

@@ -313,11 +313,38 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
         # With min_tokens the rows decode past stop tokens; the request itself ends at the first one after.
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=body.seed, stop_token_ids=() if body.min_tokens else stop_ids,
-                                  **decoding.config_fields())
+                                  **_adjustments(target, body), **decoding.config_fields())
     except BlockspecError as error:  # sampling values GenerationConfig refuses
         raise bad_request(str(error), code="invalid_value") from error
     return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings(), min_tokens=body.min_tokens,
                            stop_token_ids=stop_ids, namespace=tenant)
+
+
+def _adjustments(target: Target, body: SamplingFields) -> dict:
+    """The request's logit adjustments as ``GenerationConfig`` fields, token ids checked against the vocabulary."""
+    vocab = target.model.config.get_text_config(decoder=True).vocab_size
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.strip().isdigit() or int(key) >= vocab:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", param="logit_bias",
+                              code="invalid_value")
+        bias[int(key)] = value
+    return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty, "min_p": body.min_p, "logit_bias": bias,
+            "bad_words_ids": _bad_words_ids(target.tokenizer, body.bad_words or [])}
+
+
+def _bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens as it starts the text and as it follows a space (vLLM's rule: banned either way)."""
+    ids = []
+    for word in words:
+        if not word.strip():
+            raise bad_request("bad_words must not hold an empty word", param="bad_words", code="invalid_value")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            tokens = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if tokens and tokens not in ids:
+                ids.append(tokens)
+    return tuple(ids)
 
 
 def _stop_token_ids(target: Target, body: SamplingFields) -> tuple[int, ...]:

@@ -113,7 +113,7 @@ class Submission:
         """The config that continues this request from ``output`` (a seeded row draws anew from a seed of its own)."""
         done = len(self.output)
         seed = self.config.seed if self.config.seed is None or not done else (self.config.seed + done) % 2**64
-        return replace(self.config, max_new_tokens=self.config.max_new_tokens - done, seed=seed)
+        return replace(self.config, max_new_tokens=self.config.max_new_tokens - done, seed=seed, earlier_output=done)
 
     def deliver(self, update: TokenUpdate) -> None:
         """Called from the engine thread: hand the update to the request's event loop."""

@@ -1,9 +1,9 @@
 """Request bodies the server accepts, and errors in OpenAI's format.
 
 The models follow OpenAI's completions and chat completions APIs closely enough for its
-clients. Every OpenAI (and vLLM) parameter is typed and range-checked; one blockspec does not
-implement (logprobs, tools, penalties, logit bias, structured output...) is accepted only at its
-neutral value (``presence_penalty: 0``, ``tools: []``...) and refused by name otherwise
+clients. Every OpenAI (and vLLM) parameter is typed and range-checked. The penalties, ``logit_bias``,
+``min_p`` and ``bad_words`` are honoured; one blockspec does not implement (logprobs, tools, structured
+output...) is accepted only at its neutral value (``logprobs: false``, ``tools: []``...) and refused by name otherwise
 (``NOT_IMPLEMENTED``): a request is never answered as if it had been honoured. Types are strict,
 as OpenAI's are: ``"stream": "yes"`` or ``true`` among token ids is refused rather than read as
 something else, and text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
@@ -85,14 +85,17 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     #: vLLM's: token ids that end the answer (as the model's own stop tokens do).
     stop_token_ids: list[int] | None = None
-    # Parameters not implemented: only their neutral values are accepted (``not_implemented``).
+    # Logit adjustments, applied to the target's scores at every verified position (``decoding.adjust``).
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    #: OpenAI's: {token id (as a string): bias in [-100, 100]}.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    #: vLLM's: words never generated (each with and without a leading space).
     bad_words: list[Text] | None = None
+    # Parameters not implemented: only their neutral values are accepted (``not_implemented``).
+    response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
@@ -175,12 +178,6 @@ NOT_IMPLEMENTED = {
     "echo": lambda v: not v,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "min_p": lambda v: v == 0,
-    "logit_bias": lambda v: not v,
-    "bad_words": lambda v: not v,
     "response_format": lambda v: v.get("type") == "text",
     "guided_json": lambda v: False,
     "guided_regex": lambda v: False,
