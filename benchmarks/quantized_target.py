@@ -201,7 +201,8 @@ def summarize(records: list[dict]) -> dict:
             "dflash fp32 / hf fp32": ratio("dflash fp32", "hf fp32"),
             "ar fp32 / hf fp32": ratio("ar fp32", "hf fp32"),
         },
-        "mean tau": {label: statistics.mean(r[f"dflash {label}"]["tau"] for r in records) for label in ("fp32", "fp16")},
+        "mean tau": {label: statistics.mean(r[f"dflash {label}"]["tau"] for r in records)
+                     for label in ("fp32", "fp16")},
         "lossless": {label: sum(_same(r, label) for r in records) for label in ("fp32", "fp16")},
         "fp16 answer == fp32 answer": sum(r["ar fp16"]["tokens"] == r["ar fp32"]["tokens"] for r in records),
     }

@@ -100,7 +100,8 @@ def write_foreign_checkpoint(directory, *, nested_block_size=True, hidden=64, la
             f"layers.{i}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
             f"layers.{i}.self_attn.o_proj.weight": (hidden, heads * head_dim),
             f"layers.{i}.self_attn.q_norm.weight": (head_dim,), f"layers.{i}.self_attn.k_norm.weight": (head_dim,),
-            f"layers.{i}.mlp.gate_proj.weight": (2 * hidden, hidden), f"layers.{i}.mlp.up_proj.weight": (2 * hidden, hidden),
+            f"layers.{i}.mlp.gate_proj.weight": (2 * hidden, hidden),
+            f"layers.{i}.mlp.up_proj.weight": (2 * hidden, hidden),
             f"layers.{i}.mlp.down_proj.weight": (hidden, 2 * hidden),
         })
         if sinks:

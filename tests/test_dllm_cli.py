@@ -15,8 +15,8 @@ def adapted(tmp_path_factory):
     root = tmp_path_factory.mktemp("dllm")
     target = save_tiny_target(root / "target")
     prompts = root / "train.jsonl"
-    prompts.write_text("".join(json.dumps({"question": f"What is {a} plus {a}?", "answer": f"{a} + {a} = {2 * a}\n#### {2 * a}"}) + "\n"
-                               for a in range(1, 9)))
+    rows = [{"question": f"What is {a} plus {a}?", "answer": f"{a} + {a} = {2 * a}\n#### {2 * a}"} for a in range(1, 9)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert main(["dllm", "train", "--init", str(target), "--data", str(prompts), "--out", str(root / "run"),
                  "--steps", "2", "--batch-size", "2", "--max-length", "256", "--save-every", "0"]) == 0
     return target, root / "run" / "model"

@@ -391,7 +391,8 @@ def test_bad_data_is_a_clear_error(content, message, tokenizer, tmp_path):
 
 def test_response_caches_are_read_as_they_are(tokenizer, tmp_path):
     cache = tmp_path / "responses.jsonl"
-    cache.write_text(json.dumps({"id": "a:0", "prompt_ids": [5, 6, 7], "response_ids": [8, 9], "finished": True}) + "\n")
+    record = {"id": "a:0", "prompt_ids": [5, 6, 7], "response_ids": [8, 9], "finished": True}
+    cache.write_text(json.dumps(record) + "\n")
     [sample] = load_training_samples([cache], tokenizer)
     assert sample.input_ids.tolist() == [5, 6, 7, 8, 9] and sample.loss_mask.tolist() == [0, 0, 0, 1, 1]
 

@@ -46,7 +46,8 @@ def test_an_exported_dflash_draft_loads_back_and_drafts_identically(drafts, tmp_
     ids = prompts(320, count=1, seed=4)[0]
     runs = [decode(target, ids, DFlashDrafter(model, target), GenerationConfig(max_new_tokens=16))
             for model in (ours, theirs)]
-    assert runs[0].token_ids == runs[1].token_ids and runs[0].stats.acceptance_lengths == runs[1].stats.acceptance_lengths
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].stats.acceptance_lengths == runs[1].stats.acceptance_lengths
 
 
 def test_an_exported_eagle3_draft_loads_back_and_drafts_identically(drafts, tmp_path):

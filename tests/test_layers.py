@@ -3,8 +3,9 @@
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
@@ -39,7 +40,8 @@ def test_the_contracts_refuse_an_upward_import_a_cycle_and_a_module_in_no_layer(
         "blockspec/models/net.py": "from blockspec.decoding.step import step\n",  # upward
         "blockspec/decoding/__init__.py": "",
         "blockspec/decoding/step.py": "from blockspec.decoding import loop\n",
-        "blockspec/decoding/loop.py": "def run():\n    from blockspec.decoding.step import step\n",  # a lazy import: a cycle
+        # a lazy import: a cycle
+        "blockspec/decoding/loop.py": "def run():\n    from blockspec.decoding.step import step\n",
         "blockspec/stray.py": "",
     })
     for name, text in files.items():

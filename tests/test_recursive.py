@@ -235,7 +235,8 @@ def test_a_speculators_eagle3_draft_loads_as_ours(saved, tmp_path):
     ids = prompts(320, count=1, seed=3)[0]
     runs = [decode(target, ids, RecursiveDrafter(model, target, name="eagle3"), GenerationConfig(max_new_tokens=16))
             for model in (ours, loaded)]
-    assert runs[0].token_ids == runs[1].token_ids and runs[0].stats.acceptance_lengths == runs[1].stats.acceptance_lengths
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].stats.acceptance_lengths == runs[1].stats.acceptance_lengths
 
 
 def test_norm_before_residual_is_honoured(saved, tmp_path):

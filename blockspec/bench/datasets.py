@@ -94,7 +94,8 @@ def _parse_lines(lines, label: str, *, default_dataset: str, limit: int | None) 
         try:
             raw = json.loads(line)
         except json.JSONDecodeError as error:
-            raise BlockspecError(f"{label} line {number} is not valid JSON ({error.msg}): one JSON object per line") from None
+            raise BlockspecError(f"{label} line {number} is not valid JSON ({error.msg}): one JSON object per "
+                                 "line") from None
         rows.append(_normalise(raw, f"{label} line {number}", default_dataset, index=len(rows)))
     return rows
 

@@ -188,7 +188,8 @@ def load_results(path) -> dict:
     except FileNotFoundError:
         raise BlockspecError(f"{path} does not exist: pass a results.json written by blockspec bench") from None
     except json.JSONDecodeError as error:
-        raise BlockspecError(f"{path} is not valid JSON ({error.msg}): pass a results.json from blockspec bench") from None
+        raise BlockspecError(f"{path} is not valid JSON ({error.msg}): pass a results.json from blockspec "
+                             "bench") from None
     if not isinstance(data, dict) or "records" not in data or "methods" not in data:
         raise BlockspecError(f"{path} is not a blockspec bench result (no 'records' / 'methods')")
     return data

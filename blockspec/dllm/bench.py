@@ -193,7 +193,8 @@ def load_report(out: Path, meta: dict) -> list[SettingResult]:
         summary = json.loads(summary_path.read_text())
         samples = [json.loads(line) for line in samples_path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except json.JSONDecodeError as error:
-        raise BlockspecError(f"{out}: the earlier report is not valid JSON ({error}); remove it or drop --resume") from None
+        raise BlockspecError(f"{out}: the earlier report is not valid JSON ({error}); remove it or drop "
+                             "--resume") from None
     if summary.get("meta") != meta:
         raise BlockspecError(f"{out} holds a report made with other options ({summary.get('meta')}); "
                              "use the same options, another --out, or drop --resume")

@@ -201,7 +201,8 @@ class DiffusionStats:
         return self.forwards * len(self.tokens) / total if total else float("nan")
 
     def to_dict(self) -> dict:
-        return {"forwards": self.forwards, "fed_positions": self.fed_positions, "steps": self.steps, "seconds": round(self.seconds, 4),
+        return {"forwards": self.forwards, "fed_positions": self.fed_positions, "steps": self.steps,
+                "seconds": round(self.seconds, 4),
                 "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
                 "forwards_per_token": round(self.forwards_per_token, 4), "finish_reasons": self.finish_reasons}
 
@@ -384,7 +385,8 @@ class DiffusionStream:
         shift = self.layout.shift
         total = self.ids.shape[1]
         full = self._new_cache()
-        logits = self._forward(0, total, self._read_window(block, 0), cache=full, visible=self._key_visibility(0, total, None))
+        logits = self._forward(0, total, self._read_window(block, 0), cache=full,
+                               visible=self._key_visibility(0, total, None))
         # Fed each step: the block, and for a shifted model the position left of it, which
         # predicts the block's first token.
         left, right = start - shift, end
