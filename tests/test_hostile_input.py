@@ -2,12 +2,14 @@
 server) or the right behaviour, never a traceback, a 5xx or someone else's failure."""
 
 import json
+import re
 import shutil
 
 import httpx
 import pytest
 
 from blockspec.decoding.generate import speculative_generate
+from blockspec.decoding.grammar import Grammar
 from blockspec.decoding.sequence import GenerationConfig
 from blockspec.drafters.registry import build_drafter
 from blockspec.serve.app import create_app
@@ -555,10 +557,9 @@ def test_a_body_under_the_limit_is_answered(small_limit):
 @pytest.mark.parametrize("endpoint,param,value", [
     ("chat/completions", "logprobs", True), ("chat/completions", "top_logprobs", 2),
     ("completions", "logprobs", 1), ("completions", "echo", True), ("completions", "suffix", "end"),
-    ("completions", "best_of", 2), ("chat/completions", "response_format", {"type": "json_object"}),
+    ("completions", "best_of", 2),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat/completions", "tool_choice", "required"),
-    ("chat/completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["a", "b"]),
     ("chat/completions", "functions", [{"name": "f"}]),
 ])
 def test_a_parameter_the_server_would_ignore_is_refused_by_name(served, endpoint, param, value):
@@ -620,6 +621,51 @@ def test_penalties_bias_and_banned_words_are_honoured(served, case):
     assert answer["choices"][0]["text"] == target.tokenizer.decode(stream.token_ids)
     if "logit_bias" in request or "bad_words" in request:
         assert stream.token_ids != free
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+
+
+@pytest.mark.parametrize("structure,valid", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}},
+     lambda text: set(json.loads(text)) == {"n", "ok"}),
+    ({"guided_json": SCHEMA}, lambda text: set(json.loads(text)) == {"n", "ok"}),
+    ({"guided_regex": "[0-9]{2}-[a-c]{3}"}, lambda text: re.fullmatch("[0-9]{2}-[a-c]{3}", text)),
+    ({"guided_choice": ["red", "green", "blue"]}, lambda text: text in ("red", "green", "blue")),
+    ({"guided_grammar": 'root ::= "(" [1-9] ("," [1-9])* ")"'}, lambda text: re.fullmatch(r"\([1-9](,[1-9])*\)", text)),
+])
+def test_structured_output_follows_its_grammar_and_equals_constrained_decoding(served, structure, valid):
+    url, target = served
+    body = {"model": target.name, "messages": [{"role": "user", "content": "Answer now."}], "max_tokens": 40,
+            "temperature": 0, **structure}
+    answer = post(url, "chat/completions", body).json()["choices"][0]
+    assert answer["finish_reason"] == "stop" and valid(answer["message"]["content"]), answer
+    name, value = next(iter(structure.items()))
+    grammar = {"response_format": lambda: Grammar.json_schema(target.tokenizer, SCHEMA),
+               "guided_json": lambda: Grammar.json_schema(target.tokenizer, value),
+               "guided_regex": lambda: Grammar.regex(target.tokenizer, value),
+               "guided_choice": lambda: Grammar.choice(target.tokenizer, value),
+               "guided_grammar": lambda: Grammar.lark(target.tokenizer, value)}[name]()
+    ids = target.encode_prompt(body["messages"], use_chat_template=True)
+    config = GenerationConfig(max_new_tokens=40, grammar=grammar, stop_token_ids=tuple(target.stop_token_ids()))
+    stream = speculative_generate(target.model, ids, None, config)
+    list(stream)
+    assert answer["message"]["content"] == target.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("structure,param", [
+    ({"guided_regex": "[0-9", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+])
+def test_a_structure_that_cannot_be_followed_is_a_400_naming_it(served, structure, param):
+    url, target = served
+    body = {"model": target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **structure}
+    assert openai_error(post(url, "chat/completions", body), 400)["param"] == param
 
 
 def test_stop_token_ids_end_the_answer(served):

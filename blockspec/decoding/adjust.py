@@ -1,4 +1,5 @@
-"""Logit adjustments (penalties, a bias, banned words) applied to the target's scores at every verified row.
+"""Logit adjustments (penalties, a bias, banned words, a grammar) applied to the target's scores at every
+verified row.
 
 Each row of a verified block predicts the token after its own path: the sequence so far, then the
 drafts from the root down to that row. An adjustment that depends on the tokens before (a penalty on
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.decoding.block import VerifyBlock
+from blockspec.decoding.grammar import GrammarState
 from blockspec.decoding.verifier import TargetScores
 from blockspec.errors import BlockspecError
 
@@ -108,3 +110,12 @@ def _ban_words(logits: torch.Tensor, words: tuple[tuple[int, ...], ...], output_
             prefix = list(word[:-1])
             if not prefix or recent[-len(prefix):] == prefix:
                 logits[row, word[-1]] = float("-inf")
+
+
+def constrained_scores(scores: TargetScores, grammar: GrammarState, block: VerifyBlock | None = None) -> TargetScores:
+    """The scores of a verified ``block`` (None: the prompt's last row) with each row masked to what the grammar
+    allows after that row's path."""
+    if scores.logits is None:
+        raise BlockspecError("constrained decoding needs the target's logits, not only its greedy tokens")
+    paths = block.paths if block is not None else [[]]
+    return TargetScores(grammar.mask(scores.logits[-len(paths):].float(), paths))

@@ -8,6 +8,7 @@ import torch
 
 from blockspec.decoding.adjust import LogitAdjustments
 from blockspec.decoding.cache import drafting_unsupported_reason, tree_unsupported_reason
+from blockspec.decoding.grammar import Grammar, GrammarState
 from blockspec.decoding.policy import AUTO, AdaptiveWidth, check_block_size
 from blockspec.drafters.base import Drafter, DraftState, TreeDrafter
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
@@ -40,6 +41,8 @@ class GenerationConfig:
     #: How many of the prompt's last tokens are output generated earlier (a request resumed from its tokens so
     #: far): the adjustments over the output count them.
     earlier_output: int = 0
+    #: What the output must match (``blockspec.decoding.grammar.Grammar``), None: anything.
+    grammar: Grammar | None = None
     #: Tree verification: draft nodes per step (None: a chain), children per node at most.
     tree_budget: int | None = None
     tree_top_k: int = DEFAULT_TREE_TOP_K
@@ -212,6 +215,8 @@ class Sequence:
     generator: torch.Generator | None = None
     draft_state: DraftState = None
     token_ids: list[int] = field(default_factory=list)
+    #: With a grammar: its matcher, which has consumed ``token_ids``.
+    grammar: GrammarState | None = None
     #: The next token to feed (picked by the target, not yet in its cache) and its position.
     last_token: int = 0
     position: int = 0
@@ -251,6 +256,8 @@ class Sequence:
             self.stats.finish_reason = "context" if context_bound else "length"
         step.tokens = tokens
         self.token_ids.extend(tokens)
+        if self.grammar is not None:
+            self.grammar.advance(tokens)
         self.stats.new_tokens = len(self.token_ids)
         if decode:
             self.stats.steps.append(step)
@@ -288,7 +295,8 @@ def new_sequence(model, input_ids, drafter: Drafter | None, config: GenerationCo
     return Sequence(input_ids=ids, config=config, drafter=drafter,
                     block_size=resolve_block_size(drafter, config.block_size),
                     max_new_tokens=fit_to_context(model, ids.shape[1], config.max_new_tokens),
-                    stats=GenerationStats(prompt_tokens=ids.shape[1]), width_policy=width_policy)
+                    stats=GenerationStats(prompt_tokens=ids.shape[1]), width_policy=width_policy,
+                    grammar=config.grammar.start() if config.grammar is not None else None)
 
 
 def adapts_width(config: GenerationConfig) -> bool:

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 
 from blockspec.clock import wall_clock
-from blockspec.decoding.adjust import adjust_scores
+from blockspec.decoding.adjust import adjust_scores, constrained_scores
 from blockspec.decoding.block import VerifyBlock
 from blockspec.decoding.forward import TargetOutput, VerifyTarget
 from blockspec.decoding.policy import AdaptiveWidth
@@ -208,13 +208,15 @@ def _observe_verdict(policy: AdaptiveWidth, drafted: Draft, verdict: Verdict) ->
 
 
 def _adjusted(scores: TargetScores, sequence: Sequence, block: VerifyBlock | None = None) -> TargetScores:
-    """The scores with the sequence's logit adjustments applied, each row in its own context."""
+    """The scores with the sequence's logit adjustments and grammar applied, each row in its own context."""
     adjustments = sequence.config.adjustments
-    if not adjustments.active:
-        return scores
-    cut = sequence.input_ids.shape[1] - sequence.config.earlier_output
-    output = sequence.input_ids[0, cut:].tolist() + sequence.token_ids
-    return adjust_scores(scores, adjustments, sequence.input_ids[:, :cut], output, block)
+    if adjustments.active:
+        cut = sequence.input_ids.shape[1] - sequence.config.earlier_output
+        output = sequence.input_ids[0, cut:].tolist() + sequence.token_ids
+        scores = adjust_scores(scores, adjustments, sequence.input_ids[:, :cut], output, block)
+    if sequence.grammar is not None:
+        scores = constrained_scores(scores, sequence.grammar, block)
+    return scores
 
 
 def _first_token(scores: TargetScores, sequence: Sequence) -> int:

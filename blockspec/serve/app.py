@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from blockspec.decoding.grammar import Grammar
 from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
@@ -313,7 +314,8 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
         # With min_tokens the rows decode past stop tokens; the request itself ends at the first one after.
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=body.seed, stop_token_ids=() if body.min_tokens else stop_ids,
-                                  **_adjustments(target, body), **decoding.config_fields())
+                                  grammar=_grammar(target, body), **_adjustments(target, body),
+                                  **decoding.config_fields())
     except BlockspecError as error:  # sampling values GenerationConfig refuses
         raise bad_request(str(error), code="invalid_value") from error
     return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings(), min_tokens=body.min_tokens,
@@ -332,6 +334,51 @@ def _adjustments(target: Target, body: SamplingFields) -> dict:
     return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "min_p": body.min_p, "logit_bias": bias,
             "bad_words_ids": _bad_words_ids(target.tokenizer, body.bad_words or [])}
+
+
+#: The request fields that constrain the answer to a grammar (one at a time).
+STRUCTURED_OUTPUT = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _grammar(target: Target, body: SamplingFields) -> Grammar | None:
+    """The grammar the answer must follow: OpenAI's ``response_format`` or one of vLLM's ``guided_*`` (None)."""
+    given = [name for name in STRUCTURED_OUTPUT if _asks_for_structure(name, getattr(body, name))]
+    if len(given) > 1:
+        raise bad_request(f"{' and '.join(given)} both constrain the answer: send one of them", param=given[1],
+                          code="invalid_value")
+    if not given:
+        return None
+    name, value, tokenizer = given[0], getattr(body, given[0]), target.tokenizer
+    try:
+        if name == "response_format":
+            return Grammar.json_schema(tokenizer, _response_schema(value))
+        if name == "guided_json":
+            return Grammar.json_schema(tokenizer, value)
+        if name == "guided_regex":
+            return Grammar.regex(tokenizer, value)
+        if name == "guided_choice":
+            return Grammar.choice(tokenizer, value)
+        return Grammar.lark(tokenizer, value)
+    except BlockspecError as error:
+        raise bad_request(f"{name}: {error}", param=name, code="invalid_value") from error
+
+
+def _asks_for_structure(name: str, value) -> bool:
+    return value is not None and not (name == "response_format" and value.get("type") == "text")
+
+
+def _response_schema(response_format: dict) -> dict:
+    """The JSON schema of OpenAI's ``response_format``: any object for json_object, the given one for json_schema."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise BlockspecError("a json_schema response_format needs its schema: "
+                                 '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+        return schema
+    raise BlockspecError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def _bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -2,8 +2,9 @@
 
 The models follow OpenAI's completions and chat completions APIs closely enough for its
 clients. Every OpenAI (and vLLM) parameter is typed and range-checked. The penalties, ``logit_bias``,
-``min_p`` and ``bad_words`` are honoured; one blockspec does not implement (logprobs, tools, structured
-output...) is accepted only at its neutral value (``logprobs: false``, ``tools: []``...) and refused by name otherwise
+``min_p``, ``bad_words`` and structured output (``response_format``, ``guided_*``) are honoured; one blockspec
+does not implement (logprobs, tools...) is accepted only at its neutral value (``logprobs: false``,
+``tools: []``...) and refused by name otherwise
 (``NOT_IMPLEMENTED``): a request is never answered as if it had been honoured. Types are strict,
 as OpenAI's are: ``"stream": "yes"`` or ``true`` among token ids is refused rather than read as
 something else, and text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
@@ -94,12 +95,15 @@ class SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     #: vLLM's: words never generated (each with and without a leading space).
     bad_words: list[Text] | None = None
-    # Parameters not implemented: only their neutral values are accepted (``not_implemented``).
+    # Structured output: at most one of them constrains the answer (``decoding.grammar``).
+    #: OpenAI's: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict[str, Any] | None = None
-    guided_json: Any = None
+    #: vLLM's: a JSON schema, a regex, a list of choices, a Lark or GBNF grammar.
+    guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # Parameters not implemented: only their neutral values are accepted (``not_implemented``).
     best_of: int | None = Field(None, ge=1)
 
     def not_implemented(self) -> str | None:
@@ -178,11 +182,6 @@ NOT_IMPLEMENTED = {
     "echo": lambda v: not v,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
-    "response_format": lambda v: v.get("type") == "text",
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
     "tools": lambda v: not v,
     "tool_choice": lambda v: v == "none",
     "functions": lambda v: not v,
