@@ -3,6 +3,7 @@ decoding (greedy token for token, sampling in distribution), whatever the drafts
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from blockspec.decoding.batch import batch_generate
 from blockspec.decoding.grammar import Grammar
 from blockspec.decoding.sequence import GenerationConfig
+from blockspec.decoding.step import Draft, follow_grammar
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.drafters.draft_lm import DraftModelDrafter
 from blockspec.errors import BlockspecError
@@ -111,6 +113,56 @@ def test_constrained_rows_of_a_batch_equal_constrained_plain_decoding(world):
     results = batch_generate(target, prompts + prompts[:1], dflash, configs + free, max_batch_size=5)
     assert [r.token_ids for r in results[:4]] == plain
     assert results[4].token_ids == decode(target, prompts[0], None, GenerationConfig(max_new_tokens=MAX_NEW)).token_ids
+
+
+def a_draft(tokens, parents=None, probs=None):
+    return Draft(root=5, position=3, tokens=list(tokens), parents=parents, probs=probs, confidences=[0.5] * len(tokens))
+
+
+def constrained(grammar, output=()):
+    sequence = SimpleNamespace(grammar=grammar.start())
+    sequence.grammar.advance(list(output))
+    return sequence
+
+
+def test_drafts_are_the_tokens_the_grammar_forces_when_it_forces_some(world):
+    tokenizer, _, _ = world
+    word = tokenizer.encode("hello there the answer")
+    sequence = constrained(Grammar.choice(tokenizer, ["hello there the answer"]))
+    drafted = a_draft([7, 8, 9])
+    follow_grammar(drafted, sequence)
+    assert drafted.tokens == word[:3] and drafted.parents is None and drafted.confidences == [1.0] * 3
+
+
+def test_drafts_the_grammar_refuses_are_dropped_with_what_hangs_under_them(world):
+    tokenizer, _, _ = world
+    one, two, letter = (tokenizer.convert_tokens_to_ids(t) for t in ("1", "2", "a"))
+    grammar = Grammar.regex(tokenizer, "[0-9]{1,6}[a-z]?")
+    chain = a_draft([one, two, letter, one])
+    follow_grammar(chain, constrained(grammar, [one]))
+    assert chain.tokens == [one, two, letter] and chain.confidences == [0.5] * 3
+    # root 5; nodes: 0 "1", 1 "a" under 0, 2 "2" under 1 (refused: after a letter), 3 "a" under the root, 4 "2" under 3
+    tree = a_draft([one, letter, two, letter, two], parents=[-1, 0, 1, -1, 3])
+    follow_grammar(tree, constrained(grammar, [one]))
+    assert tree.tokens == [one, letter, letter] and tree.parents == [-1, 0, -1]
+
+
+def test_a_sampled_chain_is_never_cut_by_what_it_drew(world):
+    tokenizer, _, _ = world
+    one, letter = (tokenizer.convert_tokens_to_ids(t) for t in ("1", "a"))
+    probs = torch.full((3, VOCAB), 1.0 / VOCAB)
+    drafted = a_draft([one, letter, one], probs=probs)
+    follow_grammar(drafted, constrained(Grammar.regex(tokenizer, "[0-9]{1,6}"), [one]))
+    assert drafted.tokens == [one, letter, one] and drafted.probs is probs
+
+
+def test_forced_tokens_are_drafted_and_accepted(world):
+    tokenizer, target, dflash = world
+    text = "the answer is hello there the answer is hello"
+    grammar = Grammar.choice(tokenizer, [text])
+    stream = decode(target, texts(tokenizer)[0], dflash, config(tokenizer, grammar, block_size=8))
+    assert tokenizer.decode(stream.token_ids[:-1]) == text
+    assert len(stream.stats.steps) <= len(stream.token_ids) // 3
 
 
 @pytest.mark.parametrize("make,message", [

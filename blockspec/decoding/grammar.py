@@ -116,6 +116,19 @@ class GrammarState:
         allowed[~reachable.to(logits.device)] = True
         return logits.masked_fill(~allowed, float("-inf"))
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (the only way on from the output so far; none when it has a choice)."""
+        return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+
+    def allowed_paths(self, paths: list[list[int]]) -> list[bool]:
+        """Per path (after the output so far), whether the grammar allows every token of it."""
+        allowed = []
+        for path in paths:
+            consumed = self.matcher.try_consume_tokens(path)
+            allowed.append(consumed == len(path))
+            self.matcher.rollback(consumed)
+        return allowed
+
     def advance(self, tokens: list[int]) -> None:
         """The sequence's new output tokens (each one its mask allowed)."""
         if tokens and not self.matcher.is_stopped():

@@ -140,7 +140,33 @@ def draft_rows(sequences: list[Sequence], drafting: list[bool]) -> list[Draft]:
         for index, (tree, confidences) in zip(rows, drafted):
             drafts[index].tokens, drafts[index].parents = tree.tokens, tree.parents
             _note_confidences(drafts[index], sequences[index], confidences)
+    for sequence, drafted in zip(sequences, drafts):
+        if sequence.grammar is not None and drafted.size:
+            follow_grammar(drafted, sequence)
     return drafts
+
+
+def follow_grammar(drafted: Draft, sequence: Sequence) -> None:
+    """A constrained sequence's drafts: the tokens its grammar forces next, when it forces any; else the drafter's,
+    without the drafts the grammar refuses (they could never be accepted). Not a sampled chain's: where it is cut
+    would depend on its draws, and a refused draw is answered from the residual, not from p."""
+    forced = sequence.grammar.forced_tokens()[:drafted.size]
+    drafted.__dict__.pop("block", None)
+    if forced:
+        drafted.tokens, drafted.parents, drafted.probs = forced, None, None
+        drafted.confidences = None if drafted.confidences is None else [1.0] * len(forced)
+        return
+    if drafted.probs is not None:
+        return
+    block = VerifyBlock([drafted.root, *drafted.tokens], drafted.position, drafted.parents)
+    allowed = sequence.grammar.allowed_paths(block.paths[1:])
+    kept = [node for node, ok in enumerate(allowed) if ok]  # a node's path holds its parent's: parents stay kept
+    renumber = {node: index for index, node in enumerate(kept)}
+    drafted.tokens = [drafted.tokens[node] for node in kept]
+    if drafted.parents is not None:
+        drafted.parents = [renumber.get(drafted.parents[node], -1) for node in kept]
+    if drafted.confidences is not None:
+        drafted.confidences = [drafted.confidences[node] for node in kept]
 
 
 def _note_confidences(drafted: Draft, sequence: Sequence, confidences: list[float] | None) -> None:
