@@ -17,6 +17,8 @@ from blockspec.sampling import SamplingConfig
 
 #: ``GenerationConfig.compile`` values.
 COMPILE_CHOICES = ("auto", "on", "off")
+#: The most top tokens a position's log-probabilities may list (vLLM's default limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class GenerationConfig:
     earlier_output: int = 0
     #: What the output must match (``blockspec.decoding.grammar.Grammar``), None: anything.
     grammar: Grammar | None = None
+    #: Each output token's log-probability, with this many of the most likely tokens' (None: none; at most 20).
+    logprobs: int | None = None
     #: Tree verification: draft nodes per step (None: a chain), children per node at most.
     tree_budget: int | None = None
     tree_top_k: int = DEFAULT_TREE_TOP_K
@@ -58,6 +62,8 @@ class GenerationConfig:
             raise BlockspecError(f"tree_budget must be >= 1 draft nodes, got {self.tree_budget}")
         if self.tree_top_k < 1:
             raise BlockspecError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BlockspecError(f"logprobs must be between 0 and {MAX_LOGPROBS} top tokens, got {self.logprobs}")
         if self.earlier_output < 0:
             raise BlockspecError(f"earlier_output must be >= 0 tokens, got {self.earlier_output}")
         if self.compile not in COMPILE_CHOICES:
@@ -94,6 +100,16 @@ def preferred_decoding(drafter: Drafter | None, config: GenerationConfig) -> Gen
     return config
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target (its own distribution, as vLLM's raw logprobs), and the most
+    likely tokens' at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Step:
     """Tokens one step produced (the first step is the prefill's token)."""
@@ -105,6 +121,8 @@ class Step:
     num_verified: int | None = None
     #: The verify width the sequence's width policy chose this step (None: no choice made).
     chosen_width: int | None = None
+    #: With ``GenerationConfig.logprobs``: each token's.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def width(self) -> int:
@@ -215,6 +233,8 @@ class Sequence:
     generator: torch.Generator | None = None
     draft_state: DraftState = None
     token_ids: list[int] = field(default_factory=list)
+    #: With ``config.logprobs``: each of ``token_ids``' log-probability.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     #: With a grammar: its matcher, which has consumed ``token_ids``.
     grammar: GrammarState | None = None
     #: The next token to feed (picked by the target, not yet in its cache) and its position.
@@ -256,6 +276,9 @@ class Sequence:
             self.stats.finish_reason = "context" if context_bound else "length"
         step.tokens = tokens
         self.token_ids.extend(tokens)
+        if step.logprobs is not None:
+            step.logprobs = step.logprobs[:len(tokens)]
+            self.logprobs.extend(step.logprobs)
         if self.grammar is not None:
             self.grammar.advance(tokens)
         self.stats.new_tokens = len(self.token_ids)

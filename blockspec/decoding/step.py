@@ -27,8 +27,9 @@ from blockspec.decoding.adjust import adjust_scores, constrained_scores
 from blockspec.decoding.block import VerifyBlock
 from blockspec.decoding.forward import TargetOutput, VerifyTarget
 from blockspec.decoding.policy import AdaptiveWidth
-from blockspec.decoding.sequence import Sequence, Step
+from blockspec.decoding.sequence import Sequence, Step, TokenLogprob
 from blockspec.decoding.verifier import TargetScores, Verdict, verify_block
+from blockspec.errors import BlockspecError
 from blockspec.sampling import sample_from
 
 
@@ -75,7 +76,8 @@ def prefill_step(target: VerifyTarget, sequence: Sequence) -> Step:
     sequence.position = sequence.input_ids.shape[1]
     if sequence.drafter is not None:
         sequence.draft_state = sequence.drafter.start(sequence.input_ids, out.features)
-    return sequence.record(Step([sequence.last_token], 0, 0), decode=False)
+    logprobs = token_logprobs(out.scores, [-1], [sequence.last_token], sequence.config.logprobs)
+    return sequence.record(Step([sequence.last_token], 0, 0, logprobs=logprobs), decode=False)
 
 
 def end_sequence(sequence: Sequence) -> None:
@@ -211,8 +213,24 @@ def commit(sequence: Sequence, drafted: Draft, verdict: Verdict, out: TargetOutp
     sequence.last_token = verdict.next_token
     new_tokens = kept_tokens[1:] + [verdict.next_token]
     step = Step(new_tokens, max(block.depths), verdict.num_accepted, num_verified=block.width,
-                chosen_width=drafted.chosen_width)
+                chosen_width=drafted.chosen_width,
+                logprobs=token_logprobs(out.scores, kept, new_tokens, sequence.config.logprobs))
     return sequence.record(step, decode=True)
+
+
+def token_logprobs(scores: TargetScores, rows: list[int], tokens: list[int], top: int | None):
+    """Each token's log-probability at the row of the verified block that predicts it, and the ``top`` most likely
+    tokens' there (None: none asked for)."""
+    if top is None:
+        return None
+    if scores.logits is None:
+        raise BlockspecError("log-probabilities need the target's logits, not only its greedy tokens")
+    logprobs = torch.log_softmax(scores.logits[rows].float(), dim=-1)
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    return [TokenLogprob(token, value, () if best is None else
+                         tuple(zip(best.indices[i].tolist(), best.values[i].tolist())))
+            for i, (token, value) in enumerate(zip(tokens, chosen))]
 
 
 def learn_widths(groups, sequences: list[Sequence], drafts: list[Draft], verdicts: list[Verdict], steps: list[Step],
