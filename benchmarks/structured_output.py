@@ -111,7 +111,8 @@ def main():
               flush=True)
     total = {name: sum(r["seconds"][name] for r in records) for name in ("ar", "dflash", "free")}
     summary = {
-        "machine": hardware_name(target.model.device), "target": target.name, "compact": args.compact, "prompts": len(records),
+        "machine": hardware_name(target.model.device), "target": target.name, "compact": args.compact,
+        "prompts": len(records),
         "identical": sum(r["identical"] for r in records),
         "valid": {name: sum(r["valid"][name] for r in records) for name in ("ar", "dflash", "free")},
         "speedup_over_constrained_ar": round(total["ar"] / total["dflash"], 3),

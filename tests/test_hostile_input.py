@@ -555,8 +555,7 @@ def test_a_body_under_the_limit_is_answered(small_limit):
 # -- parameters the server does not implement: refused by name, never ignored ------------------------------
 
 @pytest.mark.parametrize("endpoint,param,value", [
-    ("chat/completions", "logprobs", True), ("chat/completions", "top_logprobs", 2),
-    ("completions", "logprobs", 1), ("completions", "echo", True), ("completions", "suffix", "end"),
+    ("completions", "echo", True), ("completions", "suffix", "end"),
     ("completions", "best_of", 2),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat/completions", "tool_choice", "required"),

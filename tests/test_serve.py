@@ -506,3 +506,57 @@ def test_an_emptied_batch_gives_its_freed_memory_back(served, monkeypatch):
 def test_freed_memory_goes_back_where_there_is_glibc():
     assert serve_engine.return_freed_memory() == (ctypes.util.find_library("c") is not None and
                                                  platform.libc_ver()[0] == "glibc")
+
+
+# -- log-probabilities ----------------------------------------------------------------------------------------
+
+def reference_logprobs(target: Target, prompt, top: int, chat: bool = True):
+    """The greedy answer's log-probabilities, decoded alone without a drafter."""
+    from blockspec.decoding.generate import speculative_generate
+    from blockspec.decoding.sequence import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=12, logprobs=top, stop_token_ids=tuple(target.stop_token_ids()))
+    stream = speculative_generate(target.model, target.encode_prompt(prompt, use_chat_template=chat), None, config)
+    list(stream)
+    return stream.sequence.logprobs
+
+
+def test_chat_logprobs_come_from_the_target_streamed_or_not(served):
+    messages = [{"role": "user", "content": "Natalia sold clips to her friends"}]
+    expected = reference_logprobs(served.target, messages, 2)
+    tokenizer = served.target.tokenizer
+    client = served.client()
+    answer = client.chat.completions.create(model=served.model, messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+    content = answer.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [tokenizer.decode([lp.token]) for lp in expected]
+    assert [entry.logprob for entry in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
+    assert [[top.token for top in entry.top_logprobs] for entry in content] == \
+        [[tokenizer.decode([t]) for t, _ in lp.top] for lp in expected]
+    assert content[0].bytes == list(content[0].token.encode("utf-8"))
+    chunks = client.chat.completions.create(model=served.model, messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = client.chat.completions.create(model=served.model, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_in_the_legacy_layout(served):
+    prompt = "Natalia sold clips to her friends"
+    expected = reference_logprobs(served.target, prompt, 1, chat=False)
+    tokenizer = served.target.tokenizer
+    answer = served.client().completions.create(model=served.model, prompt=prompt, max_tokens=12, temperature=0,
+                                                logprobs=1)
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([lp.token]) for lp in expected]
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    assert all(token in top for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
+
+
+def test_top_logprobs_without_logprobs_is_refused(served):
+    response = httpx.post(f"{served.url}/v1/chat/completions", json={
+        "model": served.model, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+    assert assert_openai_error(response, 400)["param"] == "top_logprobs"

@@ -23,7 +23,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.decoding.grammar import Grammar
-from blockspec.decoding.sequence import GenerationConfig, check_tree_drafter, resolve_block_size
+from blockspec.decoding.sequence import GenerationConfig, TokenLogprob, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.auth import APIKeyGuard, api_key_list
@@ -314,6 +314,7 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
         # With min_tokens the rows decode past stop tokens; the request itself ends at the first one after.
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=body.seed, stop_token_ids=() if body.min_tokens else stop_ids,
+                                  logprobs=body.logprobs_asked(),
                                   grammar=_grammar(target, body), **_adjustments(target, body),
                                   **decoding.config_fields())
     except BlockspecError as error:  # sampling values GenerationConfig refuses
@@ -442,18 +443,35 @@ class TextCompletion:
 
     def __init__(self, target: Target):
         self.model = target.name
+        self.tokenizer = target.tokenizer
 
     def envelope(self, id: str, created: int, object: str | None = None) -> dict:
         return {"id": id, "object": object or self.object, "created": created, "model": self.model}
 
-    def full_choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def full_choice(self, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 
     def opening_delta(self) -> dict | None:
         return None
 
-    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> dict:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    def delta_choice(self, text: str | None, finish_reason: str | None = None,
+                     logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> dict:
+        return {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs, offset),
+                "finish_reason": finish_reason}
+
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+        """The legacy completions layout: token texts, their log-probabilities, the top ones, text offsets."""
+        if entries is None:
+            return None
+        texts = [self.token_text(entry.token) for entry in entries]
+        starts = [offset + sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+        tops = [{**{self.token_text(t): v for t, v in entry.top}, text: entry.logprob}
+                for entry, text in zip(entries, texts)]
+        return {"tokens": texts, "token_logprobs": [entry.logprob for entry in entries], "top_logprobs": tops,
+                "text_offset": starts}
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
 
 class ChatCompletion(TextCompletion):
@@ -463,16 +481,29 @@ class ChatCompletion(TextCompletion):
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl"
 
-    def full_choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def full_choice(self, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None = None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish_reason}
 
     def opening_delta(self) -> dict | None:
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> dict:
+    def delta_choice(self, text: str | None, finish_reason: str | None = None,
+                     logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> dict:
         delta = {} if text is None else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+        """The chat layout: per token its text, log-probability, bytes and the top tokens'."""
+        if entries is None:
+            return None
+        return {"content": [{**self._token(entry.token, entry.logprob),
+                             "top_logprobs": [self._token(t, v) for t, v in entry.top]} for entry in entries],
+                "refusal": None}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 async def _respond(generation: Generation, body: SamplingFields, request: Request, shape: TextCompletion):
@@ -511,7 +542,8 @@ async def _collect_choices(generations: list[Generation], shape: TextCompletion,
     if any(generation.finish_reason is None for generation in generations):  # the client left: nobody to answer
         return ClientLeft()
     body = shape.envelope(f"{shape.prefix}-{uuid.uuid4().hex}", created)
-    choices = [shape.full_choice(text, generation.finish_reason) for text, generation in zip(texts, generations)]
+    choices = [shape.full_choice(text, generation.finish_reason, generation.take_logprobs())
+               for text, generation in zip(texts, generations)]
     for index, choice in enumerate(choices):
         choice["index"] = index
     usage = [generation.usage() for generation in generations]
@@ -533,14 +565,23 @@ async def _stream_events(generation: Generation, shape: TextCompletion, include_
     opening = shape.opening_delta()
     if opening is not None:
         yield chunk([opening])
+    offset = 0  # where the next token's text starts in the answer (the completions layout's text_offset)
+
+    def choice(text: str | None, finish_reason: str | None = None) -> dict:
+        nonlocal offset
+        logprobs = generation.take_logprobs()
+        made = shape.delta_choice(text, finish_reason, logprobs, offset)
+        offset += sum(len(shape.token_text(entry.token)) for entry in logprobs or [])
+        return made
+
     try:
         async for piece in generation.pieces():
-            yield chunk([shape.delta_choice(piece)])
+            yield chunk([choice(piece)])
     except APIError as error:
         yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
         return
-    yield chunk([shape.delta_choice(None, generation.finish_reason or "stop")])
+    yield chunk([choice(None, generation.finish_reason or "stop")])
     if include_usage:
         yield chunk([], usage=generation.usage())
     yield "data: [DONE]\n\n"

@@ -36,7 +36,7 @@ from typing import Callable
 
 from blockspec.decoding.batch import BatchEngine
 from blockspec.decoding.rows import Row
-from blockspec.decoding.sequence import GenerationConfig, GenerationStats, preferred_decoding
+from blockspec.decoding.sequence import GenerationConfig, GenerationStats, TokenLogprob, preferred_decoding
 from blockspec.decoding.sequential import SequentialEngine
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.serve.metrics import ServerMetrics
@@ -86,6 +86,8 @@ class TokenUpdate:
     finish_reason: str = ""
     stats: GenerationStats | None = None
     error: str | None = None
+    #: With log-probabilities asked for: each of ``tokens``'.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -102,12 +104,17 @@ class Submission:
     done: bool = False
     #: Tokens decoded in the rows this request had before a failed step moved it to a fresh engine.
     earlier: list[int] = field(default_factory=list)
+    earlier_logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Tokens of ``output`` handed to the request so far.
     delivered: int = 0
 
     @property
     def output(self) -> list[int]:
         return self.earlier + (self.row.token_ids if self.row is not None else [])
+
+    @property
+    def output_logprobs(self) -> list[TokenLogprob]:
+        return self.earlier_logprobs + (self.row.sequence.logprobs if self.row is not None else [])
 
     def resume_config(self) -> GenerationConfig:
         """The config that continues this request from ``output`` (a seeded row draws anew from a seed of its own)."""
@@ -288,13 +295,13 @@ class ServingEngine:
         """Hand the request the tokens its row added, finishing it with the row's last."""
         if submission.done:
             return
-        output = submission.output
+        output, logprobs = submission.output, submission.output_logprobs[submission.delivered:]
         tokens, submission.delivered = output[submission.delivered:], len(output)
         row = submission.row
         if row.finished:
-            self._finish(submission, TokenUpdate(tokens, row.stats.finish_reason, row.stats))
+            self._finish(submission, TokenUpdate(tokens, row.stats.finish_reason, row.stats, logprobs=logprobs))
         elif tokens:
-            submission.deliver(TokenUpdate(tokens))
+            submission.deliver(TokenUpdate(tokens, logprobs=logprobs))
 
     # -- a failed step ------------------------------------------------------------------------
 
@@ -345,7 +352,8 @@ class ServingEngine:
         """Continue the request in the current engine from the tokens it has."""
         output = submission.output
         config = submission.resume_config()
-        submission.earlier, submission.row = output, None
+        submission.earlier, submission.earlier_logprobs = output, submission.output_logprobs
+        submission.row = None
         try:
             submission.row = self.engine.add(submission.input_ids + output, config, namespace=submission.namespace)
         except Exception as error:  # noqa: BLE001

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
-from blockspec.decoding.sequence import GenerationConfig
+from blockspec.decoding.sequence import GenerationConfig, TokenLogprob
 from blockspec.decoding.text import Detokenizer
 from blockspec.serve.engine import ServingEngine, Submission
 from blockspec.serve.schemas import APIError
@@ -86,6 +86,9 @@ class Generation:
         self.started_at = time.perf_counter()
         self.submission: Submission | None = None
         self.completion_tokens = 0
+        #: With log-probabilities asked for: each taken token's, and how many were handed out.
+        self.logprobs: list[TokenLogprob] = []
+        self._logprobs_taken = 0
         self.finish_reason: str | None = None
         self._first_token_seen = False
         self._closed = False
@@ -113,7 +116,7 @@ class Generation:
                     return
                 if update.error:
                     raise APIError(500, update.error, type="server_error", code="generation_failed")
-                text = self._take(update.tokens)
+                text = self._take(update.tokens, update.logprobs)
                 if update.finish_reason and self.finish_reason is None:
                     text += self._rest_of_text()
                     self.finish_reason = _FINISH_REASONS.get(update.finish_reason, "stop")
@@ -149,7 +152,14 @@ class Generation:
             except asyncio.TimeoutError:
                 continue
 
-    def _take(self, tokens: list[int]) -> str:
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The log-probabilities of the tokens taken since the last call (None: none were asked for)."""
+        if self.request.config.logprobs is None:
+            return None
+        taken, self._logprobs_taken = self.logprobs[self._logprobs_taken:], len(self.logprobs)
+        return taken
+
+    def _take(self, tokens: list[int], logprobs: list[TokenLogprob]) -> str:
         """Account for new tokens; the text they add, cut at a stop token past min_tokens or a stop string
         (either ends the request)."""
         if tokens and not self._first_token_seen:
@@ -158,6 +168,7 @@ class Generation:
                 time.perf_counter() - self.started_at)
         tokens, stop_token = self._cut_at_late_stop_token(tokens)
         self.completion_tokens += len(tokens)
+        self.logprobs.extend(logprobs[:len(tokens)])
         text, stopped = self.stops.feed(self.detokenizer.add(tokens))
         if stop_token and not stopped:
             text += self._rest_of_text()

@@ -2,9 +2,9 @@
 
 The models follow OpenAI's completions and chat completions APIs closely enough for its
 clients. Every OpenAI (and vLLM) parameter is typed and range-checked. The penalties, ``logit_bias``,
-``min_p``, ``bad_words`` and structured output (``response_format``, ``guided_*``) are honoured; one blockspec
-does not implement (logprobs, tools...) is accepted only at its neutral value (``logprobs: false``,
-``tools: []``...) and refused by name otherwise
+``min_p``, ``bad_words``, structured output (``response_format``, ``guided_*``) and log-probabilities are
+honoured; one blockspec does not implement (tools, echo...) is accepted only at its neutral value
+(``tools: []``, ``echo: false``...) and refused by name otherwise
 (``NOT_IMPLEMENTED``): a request is never answered as if it had been honoured. Types are strict,
 as OpenAI's are: ``"stream": "yes"`` or ``true`` among token ids is refused rather than read as
 something else, and text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
@@ -106,6 +106,9 @@ class SamplingFields(BaseModel):
     # Parameters not implemented: only their neutral values are accepted (``not_implemented``).
     best_of: int | None = Field(None, ge=1)
 
+    def logprobs_asked(self) -> int | None:
+        return None
+
     def not_implemented(self) -> str | None:
         """The first parameter given a value this server would have to ignore (None: none)."""
         for name, neutral in NOT_IMPLEMENTED.items():
@@ -135,6 +138,10 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_asked(self) -> int | None:
+        """How many top tokens each position's log-probabilities list (None: no log-probabilities)."""
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -173,12 +180,16 @@ class ChatCompletionRequest(SamplingFields):
         """``max_completion_tokens`` (the newer name) wins over ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprobs_asked(self) -> int | None:
+        """How many top tokens each position's log-probabilities list (None: no log-probabilities)."""
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 #: Parameters blockspec does not implement, each with the test of its neutral value (what the request
 #: means without it); any other value is refused with a 400 naming the parameter.
 NOT_IMPLEMENTED = {
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: v == 0,
     "echo": lambda v: not v,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
