@@ -256,7 +256,8 @@ def bad_requests(model):
         ("chat/completions", {**chat, "temperature": -0.5}, 400, "temperature"),
         ("chat/completions", {**chat, "top_p": 0}, 400, "top_p"),
         ("chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
-        ("completions", {**text, "n": 2}, 400, "n"),
+        ("completions", {**text, "n": 2, "stream": True}, 400, "n"),
+        ("chat/completions", {**chat, "n": 17}, 400, "n"),
         ("chat/completions", {**chat, "model": "other-model"}, 404, "model"),
     ]
 
@@ -560,3 +561,30 @@ def test_top_logprobs_without_logprobs_is_refused(served):
     response = httpx.post(f"{served.url}/v1/chat/completions", json={
         "model": served.model, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
     assert assert_openai_error(response, 400)["param"] == "top_logprobs"
+
+
+# -- several choices ------------------------------------------------------------------------------------------
+
+def test_n_choices_decode_together_each_as_it_would_alone(served):
+    client = served.client()
+    messages = [{"role": "user", "content": "Name a colour"}]
+
+    def ask(**options):
+        return client.chat.completions.create(model=served.model, messages=messages, max_tokens=8, **options)
+
+    greedy = ask(temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    alone = ask(temperature=0).choices[0].message.content
+    assert all(c.message.content == alone for c in greedy.choices)
+    sampled = ask(temperature=1.0, seed=5, n=3)
+    for i, choice in enumerate(sampled.choices):
+        assert choice.message.content == ask(temperature=1.0, seed=5 + i).choices[0].message.content
+    one = ask(temperature=1.0, seed=5).usage
+    assert sampled.usage.prompt_tokens == one.prompt_tokens  # the prompt is counted once for its n choices
+    both = client.completions.create(model=served.model, prompt=["One two", "Three four"], max_tokens=6,
+                                     temperature=0, n=2)
+    texts = [c.text for c in both.choices]
+    singles = [client.completions.create(model=served.model, prompt=p, max_tokens=6, temperature=0).choices[0].text
+               for p in ("One two", "Three four")]
+    assert texts == [singles[0], singles[0], singles[1], singles[1]]
+    wait_until_idle(served)

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator
 
 import anyio
@@ -220,19 +221,24 @@ def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: Se
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = [_prepare(target, body, "/v1/completions", ids, decoding, _tenant(request))
-                    for ids in _completion_prompts(target, body)]
+        prepared = [choice for ids in _completion_prompts(target, body)
+                    for choice in _choices(_prepare(target, body, "/v1/completions", ids, decoding, _tenant(request)),
+                                           body)]
         if len(prepared) == 1:
             generation = Generation(engine, target.tokenizer, prepared[0]).start()
             return await _respond(generation, body, request, TextCompletion(target))
-        return await _collect_choices(_start_all(engine, target, prepared), TextCompletion(target), request)
+        return await _collect_choices(_start_all(engine, target, prepared), TextCompletion(target), request,
+                                      body.n)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prepared = _prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body), decoding,
-                            _tenant(request))
-        generation = Generation(engine, target.tokenizer, prepared).start()
-        return await _respond(generation, body, request, ChatCompletion(target))
+        prepared = _choices(_prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body), decoding,
+                                     _tenant(request)), body)
+        if len(prepared) == 1:
+            generation = Generation(engine, target.tokenizer, prepared[0]).start()
+            return await _respond(generation, body, request, ChatCompletion(target))
+        return await _collect_choices(_start_all(engine, target, prepared), ChatCompletion(target), request,
+                                      body.n)
 
 
 def _model_card(app: FastAPI, target: Target) -> dict:
@@ -297,9 +303,9 @@ def _tenant(request: Request) -> str | None:
 def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: list[int],
              decoding: DecodingOptions, tenant: str | None = None) -> PreparedRequest:
     """The request as the engine runs it, every value checked before it joins the batch."""
-    if body.n != 1:
-        raise bad_request(f"n={body.n} is not supported: this server returns one choice per request",
-                          param="n", code="unsupported_value")
+    if body.n > 1 and body.stream:
+        raise bad_request(f"n={body.n} choices are answered in one body: send stream false, or n requests to "
+                          "stream each", param="n", code="unsupported_value")
     unsupported = body.not_implemented()
     if unsupported is not None:
         raise bad_request(f"'{unsupported}' is not supported by this server: leave it out (or send its neutral "
@@ -393,6 +399,14 @@ def _bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
             if tokens and tokens not in ids:
                 ids.append(tokens)
     return tuple(ids)
+
+
+def _choices(request: PreparedRequest, body: SamplingFields) -> list[PreparedRequest]:
+    """The ``n`` choices of one prompt, decoded together in the batch: with a seed, choice i samples from seed + i
+    (its own draws, repeatable); without one, each draws its own; greedy choices are alike."""
+    seed = request.config.seed
+    return [request if i == 0 or seed is None else
+            replace(request, config=replace(request.config, seed=(seed + i) % 2**64)) for i in range(body.n)]
 
 
 def _stop_token_ids(target: Target, body: SamplingFields) -> tuple[int, ...]:
@@ -527,8 +541,10 @@ def _start_all(engine: ServingEngine, target: Target, prepared: list[PreparedReq
     return started
 
 
-async def _collect_choices(generations: list[Generation], shape: TextCompletion, request: Request) -> JSONResponse:
-    """One body with every generation's text as a choice of its own (decoded together, in the batch)."""
+async def _collect_choices(generations: list[Generation], shape: TextCompletion, request: Request,
+                           n: int = 1) -> JSONResponse:
+    """One body with every generation's text as a choice of its own (decoded together, in the batch); ``n``
+    consecutive generations share a prompt, counted once in the usage."""
     created = int(time.time())
 
     async def text(generation: Generation) -> str:
@@ -546,8 +562,10 @@ async def _collect_choices(generations: list[Generation], shape: TextCompletion,
                for text, generation in zip(texts, generations)]
     for index, choice in enumerate(choices):
         choice["index"] = index
-    usage = [generation.usage() for generation in generations]
-    body.update(choices=choices, usage={key: sum(u[key] for u in usage) for key in usage[0]})
+    prompt_tokens = sum(generation.prompt_tokens for generation in generations[::n])
+    completion_tokens = sum(generation.completion_tokens for generation in generations)
+    body.update(choices=choices, usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                        "total_tokens": prompt_tokens + completion_tokens})
     return JSONResponse(body)
 
 

@@ -76,7 +76,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Text | list[Text] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
