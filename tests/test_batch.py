@@ -262,3 +262,55 @@ def test_bad_input_is_refused_clearly(target):
         BatchEngine(target, PromptLookupDrafter()).add([5, 6], GenerationConfig(tree_budget=4))
     with pytest.raises(BlockspecError, match="one each"):
         batch_generate(target, [[5, 6]], None, [GenerationConfig()] * 2)
+
+
+# --- chunked prefill: a long prompt enters over several steps ---------------------------------------------
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+@pytest.mark.parametrize("method", ["ar", "dflash"])
+def test_rows_prefilled_in_chunks_equal_rows_decoded_alone(target, method, compile):
+    """Prompts of 1 to 39 tokens enter 7 tokens a step while other rows decode (and leave, moving the prompt
+    being prefilled along): every row equals the row decoded alone, and no step prefills more than 7 tokens."""
+    prototype = make_prototype(method, target)
+    cases = mixed_prompts()
+    configs = [GenerationConfig(max_new_tokens=4 + 2 * (i % 5), block_size=6 if prototype else None)
+               for i in range(len(cases))]
+    engine = BatchEngine(target, prototype, max_batch_size=3, compile=compile, prefill_chunk=7)
+    prefilled = []
+    prefill = engine.target.prefill
+    engine.target.prefill = lambda ids, **where: (prefilled[-1].append(ids.shape[1]), prefill(ids, **where))[1]
+    rows = [engine.add(ids, config) for ids, config in zip(cases, configs)]
+    while engine.has_work:
+        prefilled.append([])
+        engine.step()
+    assert max(sum(step) for step in prefilled) <= 7 and sum(map(sum, prefilled)) == sum(c.shape[1] for c in cases)
+    assert sum(map(len, prefilled)) > len(cases)  # some prompts entered in several parts
+    for row, ids, config in zip(rows, cases, configs):
+        assert row.token_ids == alone(target, ids, prototype, config).token_ids
+
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_a_row_cancelled_while_its_prompt_enters_leaves_the_others_untouched(target, compile):
+    prototype = make_prototype("dflash", target)
+    long_prompt, *others = [ids for ids in mixed_prompts() if ids.shape[1] > 20][:3]
+    config = GenerationConfig(max_new_tokens=8, block_size=6)
+    engine = BatchEngine(target, prototype, max_batch_size=3, compile=compile, prefill_chunk=5)
+    first = engine.add(others[0], config)
+    engine.step()  # the first row's prompt enters in parts
+    cancelled = engine.add(long_prompt, config)
+    while not engine.rows:
+        engine.step()
+    engine.step()
+    assert 0 < engine._prefilled < long_prompt.shape[1]  # part of the long prompt is in
+    engine.cancel(cancelled)
+    last = engine.add(others[1], config)
+    for _ in engine.run():
+        pass
+    assert cancelled.stats.finish_reason == "cancelled" and cancelled.token_ids == []
+    assert first.token_ids == alone(target, others[0], prototype, config).token_ids
+    assert last.token_ids == alone(target, others[1], prototype, config).token_ids
+
+
+def test_prefill_chunk_must_be_positive(target):
+    with pytest.raises(BlockspecError, match="prefill_chunk must be >= 1 tokens"):
+        BatchEngine(target, None, prefill_chunk=0)

@@ -588,3 +588,23 @@ def test_n_choices_decode_together_each_as_it_would_alone(served):
                for p in ("One two", "Three four")]
     assert texts == [singles[0], singles[0], singles[1], singles[1]]
     wait_until_idle(served)
+
+
+# -- chunked prefill ------------------------------------------------------------------------------------------
+
+def test_long_prompts_entering_in_chunks_answer_as_they_would_whole(tiny_target_dir, tiny_draft_dir):
+    """A server prefilling 8 prompt tokens a step: concurrent requests with prompts of many chunks each get the
+    answer of the same request to a server prefilling whole prompts."""
+    target = load_served_target(tiny_target_dir)
+    drafter = build_drafter("dflash", target, str(tiny_draft_dir))
+    prompts = [" ".join(["Natalia sold clips to 48 of her friends in April"] * n) for n in (1, 4, 7, 3)]
+
+    def answers(prefill_chunk):
+        app = create_app(target, drafter, max_batch_size=4, prefill_chunk=prefill_chunk)
+        with running_server(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return list(pool.map(lambda p: client.completions.create(
+                    model=target.name, prompt=p, max_tokens=10, temperature=0).choices[0].text, prompts))
+
+    assert answers(8) == answers(None)

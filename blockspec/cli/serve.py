@@ -32,6 +32,9 @@ def add_serve_command(commands) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch-size", type=int, default=16,  # serve.engine.DEFAULT_MAX_BATCH_SIZE (loads torch)
                         help="rows decoded together (default 16; the KV cache grows only as the rows decoding need)")
+    parser.add_argument("--prefill-chunk", type=int, default=256,  # serve.engine.DEFAULT_PREFILL_CHUNK
+                        help="prompt tokens a batch step prefills at most: a long prompt enters over several steps "
+                             "and holds the decoding rows up one chunk at a time (default 256)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests in flight (waiting + decoding) before new ones get 503 (default 64)")
     parser.add_argument("--api-key", action="append", default=None,
@@ -56,6 +59,8 @@ def run_serve(args) -> int:
         raise BlockspecError(f"--port must be 1..65535, got {args.port}")
     if args.max_request_bytes < 1:
         raise BlockspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.prefill_chunk < 1:
+        raise BlockspecError(f"--prefill-chunk must be >= 1 tokens, got {args.prefill_chunk}")
     api_keys = api_keys_of(args)
     decoding = decoding_options(args)
     GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
@@ -63,7 +68,7 @@ def run_serve(args) -> int:
     decoding = decoding.for_drafter(drafter)
     check_decoding(target.model, drafter, decoding)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                     max_request_bytes=args.max_request_bytes,
+                     max_request_bytes=args.max_request_bytes, prefill_chunk=args.prefill_chunk,
                      api_keys=api_keys, decoding=decoding)
     # compiled graphs (one request at a time) or the batch's T(B, w) (adaptive width), ahead of the first request
     app.state.engine.prepare(GenerationConfig(**decoding.config_fields()), say=lambda text: print(

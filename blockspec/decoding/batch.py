@@ -44,7 +44,7 @@ from blockspec.decoding.sequence import (
     widest_verify,
 )
 from blockspec.decoding.static_targets import StaticBatchTarget
-from blockspec.decoding.step import decode_step, end_sequence, prefill_step
+from blockspec.decoding.step import decode_step, end_sequence, start_sequence
 from blockspec.decoding.verifier import TargetScores
 from blockspec.drafters.base import Drafter
 from blockspec.errors import BlockspecError
@@ -72,16 +72,25 @@ class BatchTarget:
         self._window = sliding_window_of(template)
         self._layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
         self._options = forward_options(model)
+        #: The cache of a prompt prefilled in part (it joins the batch with its last part).
+        self._partial = None
         self._block_valid: torch.Tensor | None = None
         self._block_positions: torch.Tensor | None = None
 
-    def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
-        """Prefill one new row on its own cache, then splice that cache into the batch as its last row."""
-        row_cache = new_target_cache(self.model)
+    def prefill(self, input_ids: torch.LongTensor, start: int = 0, last: bool = True) -> TargetOutput:
+        """Prefill one new row on its own cache (the whole prompt, or its part from ``start``, in order), then, with
+        its ``last`` part, splice that cache into the batch as its last row."""
+        row_cache = self._partial if start else new_target_cache(self.model)
         out = self.model(input_ids=input_ids, cache=row_cache, use_cache=True, logits_to_keep=1,
                          output_hidden_states=self.feature_layers is not None, **self._options)
-        self.cache.append_row(row_cache, input_ids.shape[1])
+        self._partial = None if last else row_cache
+        if last:
+            self.cache.append_row(row_cache, start + input_ids.shape[1])
         return TargetOutput(TargetScores(out.logits[0, -1:]), self._features(out.hidden_states, 0))
+
+    def drop_prefill(self) -> None:
+        """Forget a prompt prefilled in part (its request was cancelled)."""
+        self._partial = None
 
     def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
         device = self.model.device
@@ -151,16 +160,25 @@ class BatchEngine(RowQueue):
     cache (oneDNN-packed on a CPU, eagerly: the row count changes from step to step).
     Rows with ``block_size="auto"`` share the engine's adaptive width (``width_policies``, kept
     across engines when passed in): each step cuts their drafts to the width that pays best for
-    the whole batch, from T(B, w) measured through this engine's target.
+    the whole batch, from T(B, w) measured through this engine's target. ``prefill_chunk``: a step
+    prefills at most this many prompt tokens (a long prompt enters over several steps, so it never
+    holds the running rows up for longer than one chunk); None: new prompts whole.
     """
 
     def __init__(self, target_model, drafter: Drafter | None = None, *, max_batch_size: int = 8,
-                 compile: str = "off", width_policies: WidthPolicies | None = None):
+                 compile: str = "off", width_policies: WidthPolicies | None = None, prefill_chunk: int | None = None):
         if max_batch_size < 1:
             raise BlockspecError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise BlockspecError(f"prefill_chunk must be >= 1 tokens (or None: whole prompts), got {prefill_chunk}")
         super().__init__(target_model, drafter, width_policies)
         self.max_batch_size = max_batch_size
         self.compile = compile
+        self.prefill_chunk = prefill_chunk
+        #: The first waiting row while its prompt enters the cache in parts: the tokens in so far, their features.
+        self._prefilling: Row | None = None
+        self._prefilled = 0
+        self._prefill_features: list[torch.Tensor] = []
         layers = drafter.feature_layers if drafter is not None else None
         if compile_choice(target_model, compile)[0]:
             self.target = StaticBatchTarget(fast_forward(target_model, layers, compile=False), max_batch_size)
@@ -178,7 +196,7 @@ class BatchEngine(RowQueue):
     def fresh(self) -> "BatchEngine":
         """An empty engine over the same model and drafter (after a failed step)."""
         return BatchEngine(self.model, self.drafter, max_batch_size=self.max_batch_size, compile=self.compile,
-                           width_policies=self.width_policies)
+                           width_policies=self.width_policies, prefill_chunk=self.prefill_chunk)
 
     def add(self, input_ids, config: GenerationConfig | None = None, *, namespace: str | None = None) -> Row:
         """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step. Each row verifies a chain
@@ -219,16 +237,44 @@ class BatchEngine(RowQueue):
         return events
 
     def _admit(self) -> list[BatchEvent]:
+        """Prefill waiting rows in order, up to ``prefill_chunk`` prompt tokens this step; each row whose prompt is
+        all in picks its first token and joins the batch."""
         events = []
-        while self.waiting and len(self.rows) < self.max_batch_size:
-            row = self.waiting.popleft()
-            sequence = row.sequence
-            self.target.reserve(sequence.input_ids.shape[1] + 1)  # the prefill; verify grows the cache as needed
-            step = prefill_step(self.target, sequence)
+        budget = self.prefill_chunk or float("inf")
+        while self.waiting and len(self.rows) < self.max_batch_size and budget > 0:
+            row = self.waiting[0]
+            out, budget = self._prefill_part(row, budget)
+            if out is None:
+                break
+            self.waiting.popleft()
+            step = start_sequence(row.sequence, out)
             row.stats.time_to_first_token = row.stats.total_time = wall_clock(self.device) - row.submitted_at
             self.rows.append(row)
             events.append(BatchEvent(row, step))
         return events
+
+    def _prefill_part(self, row: Row, budget: float) -> tuple[TargetOutput | None, float]:
+        """Prefill the next part of the row's prompt within ``budget`` tokens: the whole prompt's output once its
+        last part is in (None before), and the budget left."""
+        ids, start = row.sequence.input_ids, self._prefilled
+        total = ids.shape[1]
+        self.target.reserve(total + 1)  # the whole prompt (rows leaving may have shrunk it); verify grows it later
+        end = int(min(total, start + budget))
+        out = self.target.prefill(ids[:, start:end], start=start, last=end == total)
+        budget -= end - start
+        if out.features is not None:
+            self._prefill_features.append(out.features)
+        if end < total:
+            self._prefilled, self._prefilling = end, row
+            return None, budget
+        features = torch.cat(self._prefill_features, dim=1) if self._prefill_features else None
+        self._prefilled, self._prefill_features, self._prefilling = 0, [], None
+        return TargetOutput(out.scores, features), budget
+
+    def _forget(self, row: Row) -> None:
+        if self._prefilled and row is self._prefilling:  # cancelled with its prompt partly in the cache
+            self.target.drop_prefill()
+            self._prefilled, self._prefill_features, self._prefilling = 0, [], None
 
     def _decode(self) -> list[BatchEvent]:
         self.batch_sizes.append(len(self.rows))

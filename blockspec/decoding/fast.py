@@ -136,16 +136,17 @@ class FastForward:
                 torch._dynamo.mark_static_address(buffer)
         return cache
 
-    def prefill(self, cache: StaticKVCache, row: int, input_ids: torch.LongTensor):
-        """Run the prompt [1, P] into row ``row`` of the cache, eagerly (its length varies): last logits, features."""
+    def prefill(self, cache: StaticKVCache, row: int, input_ids: torch.LongTensor, start: int = 0):
+        """Run the prompt [1, P] (or its part from position ``start``, after the part before it) into row ``row`` of
+        the cache, eagerly (its length varies): last logits, features."""
         length = input_ids.shape[1]
         device = self.model.device
-        cache.write_columns = torch.arange(length, device=device).unsqueeze(0)
-        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-        positions = torch.arange(length, device=device).unsqueeze(0)
-        logits, features = layer_forward(self.network, input_ids, positions, mask, _RowView(cache, row),
+        columns = torch.arange(start, start + length, device=device).unsqueeze(0)
+        cache.write_columns = columns
+        mask = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(diagonal=start)[None, None]
+        logits, features = layer_forward(self.network, input_ids, columns, mask, _RowView(cache, row),
                                          self.feature_layers, last_only=True)
-        cache.lengths[row] = length
+        cache.lengths[row] = start + length
         return logits, features
 
     def verify(self, cache: StaticKVCache, blocks: list[VerifyBlock], starts: list[int]):

@@ -61,6 +61,8 @@ class StaticBatchTarget:
         self.max_batch_size = max_batch_size
         self.cache = fast.new_cache(0, batch=max_batch_size)
         self.rows = 0
+        #: Whether the slot after the active rows holds a prompt prefilled in part (it joins with its last part).
+        self.prefilling = False
 
     @property
     def path(self) -> str:
@@ -82,11 +84,19 @@ class StaticBatchTarget:
         if needed > self.cache.capacity:
             self.cache = self.cache.resized(needed)
 
-    def prefill(self, input_ids: torch.LongTensor) -> TargetOutput:
-        row = self.rows
-        logits, features = self.fast.prefill(self.cache, row, input_ids)
-        self.rows += 1
+    def prefill(self, input_ids: torch.LongTensor, start: int = 0, last: bool = True) -> TargetOutput:
+        """Prefill the next free slot: the whole prompt, or its part from ``start`` (in order); the row joins the
+        active ones with its ``last`` part."""
+        logits, features = self.fast.prefill(self.cache, self.rows, input_ids, start)
+        self.prefilling = not last
+        if last:
+            self.rows += 1
         return TargetOutput(TargetScores(logits[0]), features)
+
+    def drop_prefill(self) -> None:
+        """Forget a prompt prefilled in part (its request was cancelled)."""
+        self.prefilling = False
+        self.cache.lengths[self.rows] = 0
 
     def verify(self, blocks: list[VerifyBlock]) -> list[TargetOutput]:
         self.reserve(max(b.start + b.width for b in blocks))
@@ -104,12 +114,16 @@ class StaticBatchTarget:
         """Only these rows (by index, in order) go on; the others leave their slots, and the cache shrinks to
         what the rows left need once that is half of it or less (it only shrinks when rows leave, so it
         cannot swing back and forth step by step)."""
+        partial = self.rows
         for slot, row in enumerate(indices):
             if row != slot:
                 self.cache.move_row(row, slot)
         self.rows = len(indices)
-        for slot in range(self.rows, self.cache.batch):
+        if self.prefilling and partial != self.rows:  # the prompt being prefilled follows the active rows
+            self.cache.move_row(partial, self.rows)
+        held = self.rows + self.prefilling
+        for slot in range(held, self.cache.batch):
             self.cache.lengths[slot] = 0
-        needed = self.fast.capacity(max(self.cache.lengths[:self.rows], default=0))
+        needed = self.fast.capacity(max(self.cache.lengths[:held], default=0))
         if 2 * needed <= self.cache.capacity:
             self.cache = self.cache.resized(needed)

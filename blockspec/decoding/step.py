@@ -1,6 +1,7 @@
 """The one speculative step every driver runs: draft -> verify in one target forward -> accept -> commit.
 
-    prefill_step:  the prompt enters the target's cache; its first token; the drafter starts.
+    prefill_step:  the prompt enters the target's cache (``start_sequence`` after a prompt prefilled in
+                   chunks); its first token; the drafter starts.
     decode_step:   each sequence drafts (a chain or a token tree); an adaptive-width policy cuts the
                    drafts of the rows it serves to the one width that pays best for the whole
                    forward; ONE target forward verifies every sequence's block; the verifier accepts
@@ -69,9 +70,14 @@ class Draft:
 
 def prefill_step(target: VerifyTarget, sequence: Sequence) -> Step:
     """The prompt enters the target's cache; the target picks the first token; the drafter starts."""
+    return start_sequence(sequence, target.prefill(sequence.input_ids))
+
+
+def start_sequence(sequence: Sequence, out: TargetOutput) -> Step:
+    """Once the whole prompt is in the target's cache (``out``: its last position's scores, every position's
+    features): the target picks the first token; the drafter starts."""
     sampling = sequence.sampling
     sequence.generator = None if sampling.greedy else sampling.make_generator(sequence.device)
-    out = target.prefill(sequence.input_ids)
     sequence.last_token = _first_token(out.scores, sequence)
     sequence.position = sequence.input_ids.shape[1]
     if sequence.drafter is not None:

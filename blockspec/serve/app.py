@@ -28,7 +28,7 @@ from blockspec.decoding.sequence import GenerationConfig, TokenLogprob, check_tr
 from blockspec.errors import BlockspecError
 from blockspec.models.target import Target
 from blockspec.serve.auth import APIKeyGuard, api_key_list
-from blockspec.serve.engine import DEFAULT_MAX_BATCH_SIZE, DecodingOptions, ServingEngine
+from blockspec.serve.engine import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DecodingOptions, ServingEngine
 from blockspec.serve.generation import Generation, PreparedRequest
 from blockspec.serve.limits import MAX_REQUEST_BYTES, BodySizeLimit, check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
@@ -42,7 +42,8 @@ _DEFAULT_CHAT_TOKENS = 4096
 
 def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 64,
                api_keys: str | Sequence[str] | None = None, decoding: DecodingOptions | None = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES,
+               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> FastAPI:
     """An app serving ``target`` under its name; ``api_keys`` (one or several) turn on Bearer
     authentication of /v1. Each key is a tenant of its own: a drafter that copies earlier answers
     (suffix) copies only from answers given under the same key.
@@ -50,7 +51,8 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MA
     ``decoding`` sets the verify width and token tree of every request (naming neither: what ``blockspec
     generate`` uses, for a one-pass drafter the adaptive width over a token tree, chosen per step for the
     whole batch); with a batch of one, requests are decoded one at a time through the ``generate`` loop.
-    A request body over ``max_request_bytes`` is answered 413 without being read further.
+    A request body over ``max_request_bytes`` is answered 413 without being read further. A step of the batch
+    prefills at most ``prefill_chunk`` prompt tokens (None: new prompts whole).
     """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
@@ -62,7 +64,7 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MA
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
                            metrics=metrics, per_sequence=one_at_a_time(max_batch_size),
-                           compile=decoding.compile)
+                           compile=decoding.compile, prefill_chunk=prefill_chunk)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -134,6 +134,10 @@ class Submission:
 #: concurrency 16 (benchmarks/serve_batching.py), and the batch's KV cache grows only as its rows need.
 DEFAULT_MAX_BATCH_SIZE = 16
 
+#: Prompt tokens a step of the batch prefills at most: a long prompt enters over several steps, so the rows
+#: decoding wait for one chunk at a time (about as long as a few decode steps of the default pair on a CPU).
+DEFAULT_PREFILL_CHUNK = 256
+
 #: How often an idle engine looks up from its command queue (whether it should stop).
 _IDLE_CHECK_S = 0.5
 
@@ -142,11 +146,13 @@ class ServingEngine:
     """Owns the ``BatchEngine`` thread; ``submit`` and ``cancel`` are called from the event loop."""
 
     def __init__(self, target_model, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 64,
-                 metrics: ServerMetrics | None = None, per_sequence: bool = False, compile: str = "off"):
+                 metrics: ServerMetrics | None = None, per_sequence: bool = False, compile: str = "off",
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         if per_sequence:
             self.engine = SequentialEngine(target_model, drafter)
         else:
-            self.engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size, compile=compile)
+            self.engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size, compile=compile,
+                                      prefill_chunk=prefill_chunk)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
