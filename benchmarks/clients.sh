@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 PORT=${PORT:-8123}
 CLIENTS=${CLIENTS:-"openai lm-eval guidellm"}
 DURATION=${DURATION:-60}   # seconds of each guidellm run
-STREAMS=${STREAMS:-4}      # requests in flight in guidellm's concurrent run
+STREAMS=${STREAMS:-"4 16"}  # requests in flight in guidellm's concurrent runs (one run per number)
 LIMIT=${LIMIT:-20}         # gsm8k questions lm-eval asks
 GEN_TOKENS=${GEN_TOKENS:-256}  # lm-eval's answer length
 OUT=${OUT:-runs/clients}
@@ -137,8 +137,10 @@ EOF
 run_guidellm() {
     local tokenizer
     tokenizer=$(.venv/bin/python -c "from blockspec.hub import resolve_model; print(resolve_model('$MODEL'))")
-    for profile in synchronous "concurrent,streams=$STREAMS"; do
-        local name=${profile%%,*}
+    local profiles=(synchronous)
+    for streams in $STREAMS; do profiles+=("concurrent,streams=$streams"); done
+    for profile in "${profiles[@]}"; do
+        local name=${profile/,streams=/-}
         echo "guidellm $name, $DURATION s"
         timeout $((DURATION + 600)) "$CLIENT_VENV/bin/guidellm" run \
             --backend "kind=openai_http,target=$URL,model=$MODEL,api_key=$BLOCKSPEC_API_KEY" \
