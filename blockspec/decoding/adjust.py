@@ -68,16 +68,15 @@ def adjust_scores(scores: TargetScores, adjustments: LogitAdjustments, prompt_id
     context: the prompt, the output so far (its last token is the block's root) and the row's path."""
     if not adjustments.active:
         return scores
-    if scores.logits is None:
-        raise BlockspecError("logit adjustments need the target's logits, not only its greedy tokens")
-    paths = block.paths if block is not None else [[]]
-    logits = scores.logits.float().clone()
-    logits = logits[-len(paths):]  # a prefill's scores: the prompt's last row is the one picked from
+    logits, paths = _rows(scores, block, "logit adjustment")
+    logits = logits.clone()
     vocab = logits.shape[-1]
     _ban_words(logits, adjustments.bad_words_ids, output_ids, paths)
     if adjustments.logit_bias:
         ids = torch.tensor([token for token, _ in adjustments.logit_bias], device=logits.device)
         logits[:, ids] += torch.tensor([bias for _, bias in adjustments.logit_bias], device=logits.device)
+    if adjustments.repetition_penalty == 1 and not adjustments.presence_penalty and not adjustments.frequency_penalty:
+        return TargetScores(logits)
     counts = _output_counts(output_ids, paths, vocab, logits.device)
     if adjustments.repetition_penalty != 1:
         seen = (counts > 0) | (torch.bincount(prompt_ids.reshape(-1), minlength=vocab)[:vocab] > 0)
@@ -115,7 +114,12 @@ def _ban_words(logits: torch.Tensor, words: tuple[tuple[int, ...], ...], output_
 def constrained_scores(scores: TargetScores, grammar: GrammarState, block: VerifyBlock | None = None) -> TargetScores:
     """The scores of a verified ``block`` (None: the prompt's last row) with each row masked to what the grammar
     allows after that row's path."""
-    if scores.logits is None:
-        raise BlockspecError("constrained decoding needs the target's logits, not only its greedy tokens")
+    logits, paths = _rows(scores, block, "constrained decoding")
+    return TargetScores(grammar.mask(logits, paths))
+
+
+def _rows(scores: TargetScores, block: VerifyBlock | None, purpose: str) -> tuple[torch.Tensor, list[list[int]]]:
+    """The rows to adjust (float32) and each one's path: a block's rows, or a prefill's last row (the one the
+    first token is picked from)."""
     paths = block.paths if block is not None else [[]]
-    return TargetScores(grammar.mask(scores.logits[-len(paths):].float(), paths))
+    return scores.logits_for(purpose)[-len(paths):].float(), paths

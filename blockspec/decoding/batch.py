@@ -272,7 +272,7 @@ class BatchEngine(RowQueue):
         return TargetOutput(out.scores, features), budget
 
     def _forget(self, row: Row) -> None:
-        if self._prefilled and row is self._prefilling:  # cancelled with its prompt partly in the cache
+        if row is self._prefilling:  # cancelled with its prompt partly in the cache
             self.target.drop_prefill()
             self._prefilled, self._prefill_features, self._prefilling = 0, [], None
 

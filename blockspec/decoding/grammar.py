@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import llguidance
@@ -105,12 +106,11 @@ class GrammarState:
         bitmask = llguidance.torch.allocate_token_bitmask(len(paths), self.tokenizer_vocab)
         reachable = torch.ones(len(paths), dtype=torch.bool)
         for row, path in enumerate(paths):
-            consumed = self.matcher.try_consume_tokens(path) if path else 0
-            if consumed == len(path):
-                llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
-            else:
-                reachable[row] = False
-            self.matcher.rollback(consumed)
+            with self._after(path) as allowed:
+                if allowed:
+                    llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+                else:
+                    reachable[row] = False
         allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).bool().view(len(paths), -1)
         allowed = _fit(allowed[:, :self.tokenizer_vocab], logits.shape[-1]).to(logits.device)
         allowed[~reachable.to(logits.device)] = True
@@ -124,10 +124,18 @@ class GrammarState:
         """Per path (after the output so far), whether the grammar allows every token of it."""
         allowed = []
         for path in paths:
-            consumed = self.matcher.try_consume_tokens(path)
-            allowed.append(consumed == len(path))
-            self.matcher.rollback(consumed)
+            with self._after(path) as ok:
+                allowed.append(ok)
         return allowed
+
+    @contextmanager
+    def _after(self, path: list[int]):
+        """The matcher after the output so far and ``path`` (whether the grammar allows all of it), put back after."""
+        consumed = self.matcher.try_consume_tokens(path) if path else 0
+        try:
+            yield consumed == len(path)
+        finally:
+            self.matcher.rollback(consumed)
 
     def advance(self, tokens: list[int]) -> None:
         """The sequence's new output tokens (each one its mask allowed)."""

@@ -30,7 +30,6 @@ from blockspec.decoding.forward import TargetOutput, VerifyTarget
 from blockspec.decoding.policy import AdaptiveWidth
 from blockspec.decoding.sequence import Sequence, Step, TokenLogprob
 from blockspec.decoding.verifier import TargetScores, Verdict, verify_block
-from blockspec.errors import BlockspecError
 from blockspec.sampling import sample_from
 
 
@@ -159,15 +158,15 @@ def follow_grammar(drafted: Draft, sequence: Sequence) -> None:
     without the drafts the grammar refuses (they could never be accepted). Not a sampled chain's: where it is cut
     would depend on its draws, and a refused draw is answered from the residual, not from p."""
     forced = sequence.grammar.forced_tokens()[:drafted.size]
-    drafted.__dict__.pop("block", None)
     if forced:
         drafted.tokens, drafted.parents, drafted.probs = forced, None, None
         drafted.confidences = None if drafted.confidences is None else [1.0] * len(forced)
+        drafted.__dict__.pop("block", None)
         return
     if drafted.probs is not None:
         return
-    block = VerifyBlock([drafted.root, *drafted.tokens], drafted.position, drafted.parents)
-    allowed = sequence.grammar.allowed_paths(block.paths[1:])
+    allowed = sequence.grammar.allowed_paths(drafted.block.paths[1:])
+    drafted.__dict__.pop("block", None)
     kept = [node for node, ok in enumerate(allowed) if ok]  # a node's path holds its parent's: parents stay kept
     renumber = {node: index for index, node in enumerate(kept)}
     drafted.tokens = [drafted.tokens[node] for node in kept]
@@ -229,9 +228,7 @@ def token_logprobs(scores: TargetScores, rows: list[int], tokens: list[int], top
     tokens' there (None: none asked for)."""
     if top is None:
         return None
-    if scores.logits is None:
-        raise BlockspecError("log-probabilities need the target's logits, not only its greedy tokens")
-    logprobs = torch.log_softmax(scores.logits[rows].float(), dim=-1)
+    logprobs = torch.log_softmax(scores.logits_for("log-probabilities")[rows].float(), dim=-1)
     chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     best = logprobs.topk(top, dim=-1) if top else None
     return [TokenLogprob(token, value, () if best is None else

@@ -45,9 +45,13 @@ class TargetScores:
         return self.greedy_tokens if self.greedy_tokens is not None else self.logits.argmax(dim=-1)
 
     def probs(self, sampling: SamplingConfig) -> torch.Tensor:
+        return sampling_probs(self.logits_for("sampled verification"), sampling)
+
+    def logits_for(self, purpose: str) -> torch.Tensor:
+        """The logits, which ``purpose`` needs (a replayed target gives only its greedy tokens)."""
         if self.logits is None:
-            raise BlockspecError("sampled verification needs the target's logits, not only its greedy tokens")
-        return sampling_probs(self.logits, sampling)
+            raise BlockspecError(f"{purpose} needs the target's logits, not only its greedy tokens")
+        return self.logits
 
 
 @dataclass(frozen=True)
