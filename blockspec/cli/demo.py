@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from blockspec.bench.datasets import BUNDLED
-from blockspec.cli.options import add_device_options, add_target_option, block_size_arg
+from blockspec.cli.options import add_device_options, add_target_option, block_size_arg, hide_loading_bars
 from blockspec.demo import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DATASETS,
@@ -46,14 +46,13 @@ def run_demo_command(args) -> int:
     """Load the models the options name and run the demo; 1 if any output differed from AR, else 0."""
     from rich.console import Console
     from rich.markup import escape
-    from transformers.utils import logging as hf_logging
 
     from blockspec.decoding.compile_policy import compile_choice
     from blockspec.decoding.fast import fast_forward
     from blockspec.drafters.registry import load_drafter, shipped_draft
     from blockspec.models.target import load_target
 
-    hf_logging.disable_progress_bar()
+    hide_loading_bars()
     prompts = demo_prompts(args.dataset, args.num_prompts)  # bad names fail before any loading
     draft = args.draft if args.draft is not None else shipped_draft(args.target)
     if draft is None:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from blockspec.cli.options import add_keep_last_option, keep_last_given, read_prompt, seed_arg
+from blockspec.cli.options import add_keep_last_option, hide_loading_bars, keep_last_given, read_prompt, seed_arg
 from blockspec.dllm.canvas import MASK_GLYPH, committed_text, render_canvas
 from blockspec.errors import BlockspecError
 from blockspec.extras import require_extra
@@ -58,11 +58,9 @@ def add_train_parser(actions) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
     from blockspec.dllm.train import DiffusionTrainConfig, adapt, mean_losses
 
-    hf_logging.disable_progress_bar()
+    hide_loading_bars()
     config = DiffusionTrainConfig(
         out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, max_length=args.max_length,
         attention=args.attention, block_size=args.block_size, shifted=args.shifted, sft=args.sft,
@@ -149,6 +147,7 @@ def run_generate(args) -> int:
     if not prompt.strip():
         raise BlockspecError("the prompt is empty: give some text to answer")
     config = sampler_config(args)
+    hide_loading_bars()
     model, tokenizer = load_diffusion_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device,
                                             dtype=args.dtype, mask_token_id=args.mask_token_id)
     ids = encode_prompt(tokenizer, prompt, use_chat_template=not args.no_chat_template)
@@ -219,6 +218,7 @@ def run_bench(args) -> int:
     specs = args.settings or bench.default_settings(args.gen_length)
     configs = [(spec, bench.parse_setting(spec, args.gen_length, args.seed)) for spec in specs]
     rows = load_benchmark_prompts(args.dataset, source=args.source, num_prompts=args.num_prompts)
+    hide_loading_bars()
     model, tokenizer = load_diffusion_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device,
                                             dtype=args.dtype, mask_token_id=args.mask_token_id)
     prompt_ids = [encode_prompt(tokenizer, row["turns"][0]) for row in rows]

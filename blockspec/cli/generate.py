@@ -9,6 +9,7 @@ from blockspec.cli.options import (
     DEFAULT_MAX_NEW_TOKENS,
     add_model_options,
     add_sampling_options,
+    hide_loading_bars,
     read_prompt,
     tree_top_k_given,
 )
@@ -138,15 +139,13 @@ def load_models(args):
     With the fast path chosen (``--compile``), its forward is set up here, saying what it does, and a
     DFlash drafter reads its drafts through the same packed LM head.
     """
-    from transformers.utils import logging as hf_logging
-
     from blockspec.decoding.compile_policy import compile_choice
     from blockspec.decoding.fast import fast_forward
     from blockspec.drafters.registry import build_drafter
     from blockspec.models.target import load_target
 
     method, draft, options = drafter_choice(args)
-    hf_logging.disable_progress_bar()
+    hide_loading_bars()
     target = load_target(args.target, device=args.device, dtype=args.dtype, quantize=args.quantize)
     if args.quantize != "none":
         say(f"the target's linear layers run on {args.quantize} weights (FBGEMM); output is that target's own")

@@ -193,3 +193,11 @@ def add_keep_last_option(parser: argparse.ArgumentParser) -> None:
 def keep_last_given(args) -> dict:
     """``{"keep_checkpoints": N}`` when --keep-last was given, else nothing (the trainer's default applies)."""
     return {} if args.keep_last is None else {"keep_checkpoints": args.keep_last}
+
+
+def hide_loading_bars() -> None:
+    """Keep transformers' weight-loading progress bars off the terminal: a command says what it loads, and an
+    error stays one line."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

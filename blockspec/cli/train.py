@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from blockspec.cli.options import add_keep_last_option, keep_last_given, layer_list, seed_arg
+from blockspec.cli.options import add_keep_last_option, hide_loading_bars, keep_last_given, layer_list, seed_arg
 from blockspec.drafters.registry import DRAFTED_METHODS
 
 
@@ -90,11 +90,9 @@ def add_train_draft_command(commands) -> None:
 
 
 def run_train_draft(args) -> int:
-    from transformers.utils import logging as hf_logging
-
     from blockspec.training.pipeline import train_draft
 
-    hf_logging.disable_progress_bar()
+    hide_loading_bars()
     data, train = config_from_args(args)
     try:
         path = train_draft(args.target, data, train, resume=args.resume, device=args.device)
