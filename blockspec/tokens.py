@@ -77,13 +77,14 @@ def is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and not all(isinstance(t, int) for t in prompt)
 
 
-def encode_prompt(tokenizer, prompt, *, use_chat_template: bool = True) -> list[int]:
+def encode_prompt(tokenizer, prompt, *, use_chat_template: bool = True, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a prompt, ready for the assistant's answer (or the text's continuation).
 
     ``prompt`` is token ids (returned as they are), a list of chat messages, or a string (one
     user message). With a chat template and ``use_chat_template``: the template with the
-    generation prompt. Otherwise plain text, the messages' contents joined by blank lines,
-    with the tokenizer's own special tokens (e.g. BOS). An empty prompt gives no ids.
+    generation prompt (and ``tools``, the functions the model may call, where given). Otherwise plain
+    text, the messages' contents joined by blank lines, with the tokenizer's own special tokens
+    (e.g. BOS). An empty prompt gives no ids.
     """
     if isinstance(prompt, (list, tuple)) and not is_chat(prompt):
         return [int(t) for t in prompt]
@@ -91,13 +92,16 @@ def encode_prompt(tokenizer, prompt, *, use_chat_template: bool = True) -> list[
         raise BlockspecError(f"a prompt must be a string, chat messages or token ids, not {type(prompt).__name__}")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if use_chat_template and has_chat_template(tokenizer):
-        return _apply_chat_template(tokenizer, messages)
+        return _apply_chat_template(tokenizer, messages, tools)
+    if tools:
+        raise BlockspecError("tools go into the prompt through the chat template: use the chat template")
     text = "\n\n".join(message["content"] for message in messages)
     return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
-def _apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def _apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     if ids and isinstance(ids[0], list):

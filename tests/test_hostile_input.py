@@ -555,17 +555,23 @@ def test_a_body_under_the_limit_is_answered(small_limit):
 # -- parameters the server does not implement: refused by name, never ignored ------------------------------
 
 @pytest.mark.parametrize("endpoint,param,value", [
-    ("completions", "echo", True), ("completions", "suffix", "end"),
-    ("completions", "best_of", 2),
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("chat/completions", "tool_choice", "required"),
+    ("completions", "suffix", "end"),
     ("chat/completions", "functions", [{"name": "f"}]),
+    ("chat/completions", "function_call", "auto"),
 ])
 def test_a_parameter_the_server_would_ignore_is_refused_by_name(served, endpoint, param, value):
     url, target = served
     body = {"model": target.name, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     error = openai_error(post(url, endpoint, {**body, param: value}), 400)
     assert error["param"] == param and error["code"] == "unsupported_parameter" and param in error["message"]
+
+
+def test_tools_for_a_template_without_a_place_for_them_are_refused(served):
+    url, target = served
+    body = {"model": target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    error = openai_error(post(url, "chat/completions", body), 400)
+    assert error["param"] == "tools" and "template" in error["message"]
 
 
 def test_neutral_values_of_those_parameters_are_answered(served):

@@ -563,6 +563,99 @@ def test_top_logprobs_without_logprobs_is_refused(served):
     assert assert_openai_error(response, 400)["param"] == "top_logprobs"
 
 
+# -- echo and best_of -----------------------------------------------------------------------------------------
+
+def full_forward_logprobs(target: Target, ids: list[int]):
+    """log-softmax of one uncached forward over the whole text: [T, V]."""
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(target.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_answers_the_prompt_before_the_completion(served):
+    client = served.client()
+    prompt = "Natalia sold clips to her friends"
+    plain = client.completions.create(model=served.model, prompt=prompt, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=served.model, prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    ids = served.target.encode_prompt(prompt, use_chat_template=False)
+    by_ids = client.completions.create(model=served.model, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert by_ids.choices[0].text == served.target.tokenizer.decode(ids) + plain.choices[0].text
+    chunks = list(client.completions.create(model=served.model, prompt=prompt, max_tokens=6, temperature=0,
+                                            echo=True, stream=True))
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == echoed.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(served):
+    """max_tokens 0, echo, logprobs: the prompt tokens' log-probabilities, the first one null."""
+    tokenizer = served.target.tokenizer
+    ids = served.target.encode_prompt("Natalia sold clips to 48 of her friends in April", use_chat_template=False)
+    answer = served.client().completions.create(model=served.model, prompt=ids, max_tokens=0, echo=True, logprobs=2,
+                                                temperature=0)
+    choice = answer.choices[0]
+    logprobs = choice.logprobs
+    assert choice.finish_reason == "length" and answer.usage.completion_tokens == 0
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    reference = full_forward_logprobs(served.target, ids)
+    expected = [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
+    best = reference[:-1].topk(2, dim=-1).indices
+    for i, top in enumerate(logprobs.top_logprobs[1:]):
+        assert set(top) == {tokenizer.decode([t]) for t in best[i].tolist()} | {logprobs.tokens[i + 1]}
+    # with a completion: the prompt's entries, then the completion's as without echo
+    more = served.client().completions.create(model=served.model, prompt=ids, max_tokens=5, echo=True, logprobs=2,
+                                              temperature=0).choices[0].logprobs
+    alone = served.client().completions.create(model=served.model, prompt=ids, max_tokens=5, logprobs=2,
+                                               temperature=0).choices[0].logprobs
+    assert more.tokens == logprobs.tokens + alone.tokens
+    assert more.token_logprobs[len(ids):] == pytest.approx(alone.token_logprobs, abs=1e-4)
+    assert more.text_offset == [sum(len(t) for t in more.tokens[:i]) for i in range(len(more.tokens))]
+
+
+def test_the_scorer_reads_a_long_text_in_chunks_as_in_one_forward(served):
+    from blockspec.decoding.score import text_logprobs
+
+    ids = served.target.encode_prompt(" ".join(["Natalia sold clips"] * 12), use_chat_template=False)
+    reference = full_forward_logprobs(served.target, ids)
+    scored = text_logprobs(served.target.model, ids, top=3, chunk=5)
+    assert [entry.token for entry in scored] == ids and scored[0].logprob is None
+    assert [entry.logprob for entry in scored[1:]] == pytest.approx(
+        [reference[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-6)
+    assert [[t for t, _ in entry.top] for entry in scored[1:]] == reference[:-1].topk(3, dim=-1).indices.tolist()
+
+
+def test_best_of_answers_the_most_likely_of_its_candidates(served):
+    client = served.client()
+    prompt = "Natalia sold clips"
+    options = dict(model=served.model, prompt=prompt, max_tokens=6, temperature=1.0, seed=11)
+    candidates = client.completions.create(**options, n=4, logprobs=0).choices
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in candidates]
+    ranked = [candidates[i].text for i in sorted(range(4), key=lambda i: -mean[i])]
+    best = client.completions.create(**options, n=2, best_of=4)
+    assert [c.text for c in best.choices] == ranked[:2]
+    assert all(c.logprobs is None for c in best.choices)
+    all_four = client.completions.create(**options, n=4)
+    assert best.usage.completion_tokens == all_four.usage.completion_tokens  # every candidate is decoded
+    greedy = dict(model=served.model, prompt=prompt, max_tokens=6, temperature=0)
+    assert client.completions.create(**greedy, best_of=3).choices[0].text == \
+        client.completions.create(**greedy).choices[0].text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"best_of": 3, "stream": True, "temperature": 1.0}, "best_of"),
+    ({"best_of": 17, "temperature": 1.0}, "best_of"),
+])
+def test_echo_and_best_of_values_that_cannot_be_honoured_are_a_400(served, body, param):
+    response = httpx.post(f"{served.url}/v1/completions", json={"model": served.model, "prompt": "hi", **body})
+    assert assert_openai_error(response, 400)["param"] == param
+
+
 # -- several choices ------------------------------------------------------------------------------------------
 
 def test_n_choices_decode_together_each_as_it_would_alone(served):

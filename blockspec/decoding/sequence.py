@@ -106,7 +106,8 @@ class TokenLogprob:
     likely tokens' at its position."""
 
     token: int
-    logprob: float
+    #: None: nothing predicts the token (the first of an echoed prompt).
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 

@@ -37,13 +37,13 @@ class Target:
         """
         return tuple(stop_token_ids(self.tokenizer, self.model.generation_config, end_of_turn=False))
 
-    def encode_prompt(self, prompt, use_chat_template: bool = True) -> list[int]:
+    def encode_prompt(self, prompt, use_chat_template: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: a string, a list of chat messages (always through the chat
-        template), or ids already. An empty prompt is an error."""
+        template, with ``tools`` where given), or ids already. An empty prompt is an error."""
         chat = is_chat(prompt)
         if chat and not has_chat_template(self.tokenizer):
             raise BlockspecError(f"{self.name} has no chat template: pass plain text instead of chat messages")
-        ids = encode_prompt(self.tokenizer, prompt, use_chat_template=use_chat_template or chat)
+        ids = encode_prompt(self.tokenizer, prompt, use_chat_template=use_chat_template or chat, tools=tools)
         if not ids or (isinstance(prompt, str) and not prompt.strip()):
             raise BlockspecError("the prompt is empty: give some text to continue")
         return ids

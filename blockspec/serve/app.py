@@ -33,6 +33,7 @@ from blockspec.serve.generation import Generation, PreparedRequest
 from blockspec.serve.limits import MAX_REQUEST_BYTES, BodySizeLimit, check_verify_size, usable_sampling
 from blockspec.serve.metrics import RequestCounter, ServerMetrics
 from blockspec.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request
+from blockspec.serve.tools import ToolCallStream, ToolUse, parse_tool_calls, template_message_calls, tool_use
 
 log = logging.getLogger("blockspec.serve")
 
@@ -223,24 +224,31 @@ def _add_routes(app: FastAPI, target: Target, engine: ServingEngine, metrics: Se
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = [choice for ids in _completion_prompts(target, body)
-                    for choice in _choices(_prepare(target, body, "/v1/completions", ids, decoding, _tenant(request)),
-                                           body)]
+        candidates = _best_of(body)
+        prepared = []
+        for prompt, ids in _completion_prompts(target, body):
+            one = _prepare(target, body, "/v1/completions", ids, decoding, _tenant(request))
+            if body.echo:
+                one = await _echoed(engine, target, body, prompt, one)
+            prepared += _choices(_ranked(one, candidates, body), candidates)
         if len(prepared) == 1:
             generation = Generation(engine, target.tokenizer, prepared[0]).start()
             return await _respond(generation, body, request, TextCompletion(target))
         return await _collect_choices(_start_all(engine, target, prepared), TextCompletion(target), request,
-                                      body.n)
+                                      body.n, candidates)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prepared = _choices(_prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body), decoding,
-                                     _tenant(request)), body)
+        _check_model(target, body.model)
+        tools = tool_use(target.tokenizer, body.tools, body.tool_choice, body.parallel_tool_calls)
+        grammar = tools.grammar(target.tokenizer) if tools is not None else None
+        prepared = _choices(_prepare(target, body, "/v1/chat/completions", _chat_prompt_ids(target, body, tools),
+                                     decoding, _tenant(request), grammar), body.n)
         if len(prepared) == 1:
             generation = Generation(engine, target.tokenizer, prepared[0]).start()
-            return await _respond(generation, body, request, ChatCompletion(target))
-        return await _collect_choices(_start_all(engine, target, prepared), ChatCompletion(target), request,
-                                      body.n)
+            return await _respond(generation, body, request, ChatCompletion(target, tools))
+        return await _collect_choices(_start_all(engine, target, prepared), ChatCompletion(target, tools), request,
+                                      body.n, body.n)
 
 
 def _model_card(app: FastAPI, target: Target) -> dict:
@@ -255,9 +263,9 @@ def _check_model(target: Target, model: str) -> None:
 
 # -- turning a request into engine input ------------------------------------------------------
 
-def _completion_prompts(target: Target, body: CompletionRequest) -> list[list[int]]:
-    """Each prompt's ids: plain text (no chat template), as OpenAI's completions endpoint takes it, or token ids;
-    a list of texts or of token-id lists is several prompts, each answered as its own choice."""
+def _completion_prompts(target: Target, body: CompletionRequest) -> list[tuple[str | list[int], list[int]]]:
+    """Each prompt as given, and its ids: plain text (no chat template), as OpenAI's completions endpoint takes
+    it, or token ids; a list of texts or of token-id lists is several prompts, each answered as its own choice."""
     _check_model(target, body.model)
     prompt = body.prompt
     if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
@@ -267,7 +275,7 @@ def _completion_prompts(target: Target, body: CompletionRequest) -> list[list[in
     if len(prompts) > 1 and body.stream:
         raise bad_request(f"{len(prompts)} prompts are answered in one body: send stream false, or one request "
                           "per prompt to stream each", param="prompt", code="unsupported_value")
-    return [_prompt_ids(target, one, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+    return [(one, _prompt_ids(target, one, f"prompt[{i}]" if len(prompts) > 1 else "prompt"))
             for i, one in enumerate(prompts)]
 
 
@@ -282,15 +290,18 @@ def _prompt_ids(target: Target, prompt: str | list[int], param: str) -> list[int
     return list(prompt)
 
 
-def _chat_prompt_ids(target: Target, body: ChatCompletionRequest) -> list[int]:
-    _check_model(target, body.model)
-    return _encode(target, [m.as_template_message() for m in body.messages], use_chat_template=True,
-                   param="messages")
+def _chat_prompt_ids(target: Target, body: ChatCompletionRequest, tools: ToolUse | None) -> list[int]:
+    messages = [message.as_template_message() for message in body.messages]
+    for i, message in enumerate(messages):
+        if "tool_calls" in message:
+            message["tool_calls"] = template_message_calls(message["tool_calls"], f"messages[{i}].tool_calls")
+    return _encode(target, messages, use_chat_template=True, param="messages",
+                   tools=tools.tools if tools is not None else None)
 
 
-def _encode(target: Target, prompt, *, use_chat_template: bool, param: str) -> list[int]:
+def _encode(target: Target, prompt, *, use_chat_template: bool, param: str, tools: list[dict] | None = None):
     try:
-        return target.encode_prompt(prompt, use_chat_template)
+        return target.encode_prompt(prompt, use_chat_template, tools)
     except BlockspecError as error:
         raise bad_request(str(error), param=param) from error
     except TemplateError as error:  # e.g. a template that insists on alternating roles
@@ -303,8 +314,10 @@ def _tenant(request: Request) -> str | None:
 
 
 def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: list[int],
-             decoding: DecodingOptions, tenant: str | None = None) -> PreparedRequest:
-    """The request as the engine runs it, every value checked before it joins the batch."""
+             decoding: DecodingOptions, tenant: str | None = None, tool_grammar: Grammar | None = None
+             ) -> PreparedRequest:
+    """The request as the engine runs it, every value checked before it joins the batch (``tool_grammar``:
+    the calls the request's ``tool_choice`` requires)."""
     if body.n > 1 and body.stream:
         raise bad_request(f"n={body.n} choices are answered in one body: send stream false, or n requests to "
                           "stream each", param="n", code="unsupported_value")
@@ -313,6 +326,10 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
         raise bad_request(f"'{unsupported}' is not supported by this server: leave it out (or send its neutral "
                           "value) rather than have it ignored", param=unsupported, code="unsupported_parameter")
     max_new_tokens = _token_limit(target, body, len(prompt_ids))
+    echo_only = max_new_tokens == 0
+    if echo_only and not getattr(body, "echo", False):
+        raise bad_request("max_tokens 0 generates nothing: ask for at least 1 token, or send echo true to score "
+                          "the prompt alone", param="max_tokens", code="invalid_value")
     if body.min_tokens > max_new_tokens:
         raise bad_request(f"min_tokens {body.min_tokens} is more than the {max_new_tokens} tokens this request may "
                           "generate: lower it or raise max_tokens", param="min_tokens", code="invalid_value")
@@ -320,15 +337,15 @@ def _prepare(target: Target, body: SamplingFields, endpoint: str, prompt_ids: li
     temperature, top_p, top_k = usable_sampling(body.temperature, body.top_p, body.top_k)
     try:
         # With min_tokens the rows decode past stop tokens; the request itself ends at the first one after.
-        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=body.seed, stop_token_ids=() if body.min_tokens else stop_ids,
+        config = GenerationConfig(max_new_tokens=max(max_new_tokens, 1), temperature=temperature, top_p=top_p,
+                                  top_k=top_k, seed=body.seed, stop_token_ids=() if body.min_tokens else stop_ids,
                                   logprobs=body.logprobs_asked(),
-                                  grammar=_grammar(target, body), **_adjustments(target, body),
+                                  grammar=_grammar(target, body, tool_grammar), **_adjustments(target, body),
                                   **decoding.config_fields())
     except BlockspecError as error:  # sampling values GenerationConfig refuses
         raise bad_request(str(error), code="invalid_value") from error
     return PreparedRequest(endpoint, prompt_ids, config, body.stop_strings(), min_tokens=body.min_tokens,
-                           stop_token_ids=stop_ids, namespace=tenant)
+                           stop_token_ids=stop_ids, namespace=tenant, decodes=not echo_only)
 
 
 def _adjustments(target: Target, body: SamplingFields) -> dict:
@@ -349,12 +366,16 @@ def _adjustments(target: Target, body: SamplingFields) -> dict:
 STRUCTURED_OUTPUT = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def _grammar(target: Target, body: SamplingFields) -> Grammar | None:
-    """The grammar the answer must follow: OpenAI's ``response_format`` or one of vLLM's ``guided_*`` (None)."""
+def _grammar(target: Target, body: SamplingFields, tool_grammar: Grammar | None = None) -> Grammar | None:
+    """The grammar the answer must follow: OpenAI's ``response_format``, one of vLLM's ``guided_*``, or the
+    calls ``tool_choice`` requires (None: free text)."""
     given = [name for name in STRUCTURED_OUTPUT if _asks_for_structure(name, getattr(body, name))]
+    given = (["tool_choice"] if tool_grammar is not None else []) + given
     if len(given) > 1:
         raise bad_request(f"{' and '.join(given)} both constrain the answer: send one of them", param=given[1],
                           code="invalid_value")
+    if tool_grammar is not None:
+        return tool_grammar
     if not given:
         return None
     name, value, tokenizer = given[0], getattr(body, given[0]), target.tokenizer
@@ -403,12 +424,45 @@ def _bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
     return tuple(ids)
 
 
-def _choices(request: PreparedRequest, body: SamplingFields) -> list[PreparedRequest]:
-    """The ``n`` choices of one prompt, decoded together in the batch: with a seed, choice i samples from seed + i
+def _choices(request: PreparedRequest, count: int) -> list[PreparedRequest]:
+    """``count`` choices of one prompt, decoded together in the batch: with a seed, choice i samples from seed + i
     (its own draws, repeatable); without one, each draws its own; greedy choices are alike."""
     seed = request.config.seed
     return [request if i == 0 or seed is None else
-            replace(request, config=replace(request.config, seed=(seed + i) % 2**64)) for i in range(body.n)]
+            replace(request, config=replace(request.config, seed=(seed + i) % 2**64)) for i in range(count)]
+
+
+def _best_of(body: CompletionRequest) -> int:
+    """How many completions of each prompt are decoded: ``best_of`` (at least ``n``), or ``n``. Greedy
+    completions are all alike, so ``n`` of them are the best ``n`` of any number."""
+    best_of = body.best_of or body.n
+    if best_of < body.n:
+        raise bad_request(f"best_of {best_of} is fewer than the n={body.n} choices it picks from: raise best_of",
+                          param="best_of", code="invalid_value")
+    if best_of > body.n and body.stream:
+        raise bad_request("best_of picks among finished completions, so it cannot stream: send stream false",
+                          param="best_of", code="unsupported_value")
+    if best_of > 16:
+        raise bad_request(f"best_of {best_of} is more than 16 completions of one prompt", param="best_of",
+                          code="invalid_value")
+    return body.n if usable_sampling(body.temperature, body.top_p, body.top_k)[0] == 0 else best_of
+
+
+def _ranked(request: PreparedRequest, candidates: int, body: CompletionRequest) -> PreparedRequest:
+    """With more candidates than choices, each decodes with its tokens' log-probabilities (its rank), shown only
+    where the request asked for them."""
+    if candidates == body.n or request.config.logprobs is not None:
+        return request
+    return replace(request, config=replace(request.config, logprobs=0), show_logprobs=False)
+
+
+async def _echoed(engine: ServingEngine, target: Target, body: CompletionRequest, prompt: str | list[int],
+                  request: PreparedRequest) -> PreparedRequest:
+    """The request answering its prompt before the completion, with the prompt tokens' log-probabilities where
+    asked for (the target scores the prompt, between two steps of the batch)."""
+    text = prompt if isinstance(prompt, str) else target.tokenizer.decode(prompt)
+    scored = await engine.score(request.prompt_ids, body.logprobs) if body.logprobs is not None else None
+    return replace(request, echo=text, echo_logprobs=scored)
 
 
 def _stop_token_ids(target: Target, body: SamplingFields) -> tuple[int, ...]:
@@ -476,12 +530,14 @@ class TextCompletion:
                 "finish_reason": finish_reason}
 
     def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
-        """The legacy completions layout: token texts, their log-probabilities, the top ones, text offsets."""
+        """The legacy completions layout: token texts, their log-probabilities, the top ones, text offsets (an echoed
+        prompt's first token has neither log-probability nor top ones: null)."""
         if entries is None:
             return None
         texts = [self.token_text(entry.token) for entry in entries]
         starts = [offset + sum(len(text) for text in texts[:i]) for i in range(len(texts))]
-        tops = [{**{self.token_text(t): v for t, v in entry.top}, text: entry.logprob}
+        tops = [None if entry.logprob is None else
+                {**{self.token_text(t): v for t, v in entry.top}, text: entry.logprob}
                 for entry, text in zip(entries, texts)]
         return {"tokens": texts, "token_logprobs": [entry.logprob for entry in entries], "top_logprobs": tops,
                 "text_offset": starts}
@@ -491,22 +547,41 @@ class TextCompletion:
 
 
 class ChatCompletion(TextCompletion):
-    """The shapes of /v1/chat/completions answers."""
+    """The shapes of /v1/chat/completions answers; with ``tools``, the answer's calls as ``tool_calls``."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl"
 
+    def __init__(self, target: Target, tools: ToolUse | None = None):
+        super().__init__(target)
+        self.tools = tools
+        self._calls_stream = ToolCallStream(tools.parallel) if tools is not None else None
+
     def full_choice(self, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None = None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = parse_tool_calls(text, self.tools.parallel)
+            if calls:
+                message, finish_reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 
     def opening_delta(self) -> dict | None:
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     def delta_choice(self, text: str | None, finish_reason: str | None = None,
                      logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> dict:
+        calls = []
+        if self._calls_stream is not None:  # content up to a call streams; the calls come whole at the end
+            text = self._calls_stream.feed(text or "")
+            if finish_reason is not None:
+                rest, calls = self._calls_stream.finish()
+                text += rest
+            text = text or None
         delta = {} if text is None else {"content": text}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish_reason = "tool_calls"
         return {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 
     def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
@@ -544,9 +619,10 @@ def _start_all(engine: ServingEngine, target: Target, prepared: list[PreparedReq
 
 
 async def _collect_choices(generations: list[Generation], shape: TextCompletion, request: Request,
-                           n: int = 1) -> JSONResponse:
-    """One body with every generation's text as a choice of its own (decoded together, in the batch); ``n``
-    consecutive generations share a prompt, counted once in the usage."""
+                           n: int = 1, candidates: int = 1) -> JSONResponse:
+    """One body with the generations' texts as choices (decoded together, in the batch). Each prompt has
+    ``candidates`` consecutive generations, counted once in the usage; the ``n`` of them whose tokens are the
+    most likely on average (OpenAI's ``best_of``) are its choices."""
     created = int(time.time())
 
     async def text(generation: Generation) -> str:
@@ -560,11 +636,15 @@ async def _collect_choices(generations: list[Generation], shape: TextCompletion,
     if any(generation.finish_reason is None for generation in generations):  # the client left: nobody to answer
         return ClientLeft()
     body = shape.envelope(f"{shape.prefix}-{uuid.uuid4().hex}", created)
+    answers = list(zip(texts, generations))
+    if candidates > n:
+        answers = [answer for start in range(0, len(answers), candidates)
+                   for answer in sorted(answers[start:start + candidates], key=lambda a: -a[1].mean_logprob())[:n]]
     choices = [shape.full_choice(text, generation.finish_reason, generation.take_logprobs())
-               for text, generation in zip(texts, generations)]
+               for text, generation in answers]
     for index, choice in enumerate(choices):
         choice["index"] = index
-    prompt_tokens = sum(generation.prompt_tokens for generation in generations[::n])
+    prompt_tokens = sum(generation.prompt_tokens for generation in generations[::candidates])
     completion_tokens = sum(generation.completion_tokens for generation in generations)
     body.update(choices=choices, usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                         "total_tokens": prompt_tokens + completion_tokens})

@@ -68,6 +68,14 @@ class PreparedRequest:
     stop_token_ids: tuple[int, ...] = ()
     #: Whose earlier answers a drafter that copies may read (the API key's tenant; None without keys).
     namespace: str | None = None
+    #: Completions' ``echo``: the prompt's text, answered before the completion (None: not echoed), and with
+    #: log-probabilities asked for, the prompt tokens' (``decoding.score``).
+    echo: str | None = None
+    echo_logprobs: list[TokenLogprob] | None = None
+    #: False when the log-probabilities are only the request's own (``best_of`` ranks by them).
+    show_logprobs: bool = True
+    #: False for ``max_tokens: 0`` with ``echo``: the answer is the prompt alone, nothing is decoded.
+    decodes: bool = True
 
 
 class Generation:
@@ -86,8 +94,9 @@ class Generation:
         self.started_at = time.perf_counter()
         self.submission: Submission | None = None
         self.completion_tokens = 0
-        #: With log-probabilities asked for: each taken token's, and how many were handed out.
-        self.logprobs: list[TokenLogprob] = []
+        #: With log-probabilities asked for: each taken token's (an echoed prompt's first), and how many were
+        #: handed out.
+        self.logprobs: list[TokenLogprob] = list(request.echo_logprobs or [])
         self._logprobs_taken = 0
         self.finish_reason: str | None = None
         self._first_token_seen = False
@@ -103,13 +112,19 @@ class Generation:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def start(self) -> "Generation":
-        self.submission = self.engine.submit(self.request.prompt_ids, self.request.config,
-                                             namespace=self.request.namespace)
+        if self.request.decodes:
+            self.submission = self.engine.submit(self.request.prompt_ids, self.request.config,
+                                                 namespace=self.request.namespace)
         return self
 
     async def pieces(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
-        """Text increments until the request finishes; raises ``APIError`` if decoding failed."""
+        """Text increments (an echoed prompt first) until the request finishes; raises ``APIError`` if decoding
+        failed."""
         try:
+            if self.request.echo is not None:
+                yield self.request.echo
+            if not self.request.decodes:
+                self.finish_reason = "length"
             while self.finish_reason is None:
                 update = await self._next_update(is_disconnected)
                 if update is None:  # the client is gone
@@ -154,10 +169,15 @@ class Generation:
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         """The log-probabilities of the tokens taken since the last call (None: none were asked for)."""
-        if self.request.config.logprobs is None:
+        if self.request.config.logprobs is None or not self.request.show_logprobs:
             return None
         taken, self._logprobs_taken = self.logprobs[self._logprobs_taken:], len(self.logprobs)
         return taken
+
+    def mean_logprob(self) -> float:
+        """The average log-probability of the completion's tokens (0 without any)."""
+        generated = self.logprobs[len(self.request.echo_logprobs or []):]
+        return sum(entry.logprob for entry in generated) / len(generated) if generated else 0.0
 
     def _take(self, tokens: list[int], logprobs: list[TokenLogprob]) -> str:
         """Account for new tokens; the text they add, cut at a stop token past min_tokens or a stop string

@@ -2,9 +2,9 @@
 
 The models follow OpenAI's completions and chat completions APIs closely enough for its
 clients. Every OpenAI (and vLLM) parameter is typed and range-checked. The penalties, ``logit_bias``,
-``min_p``, ``bad_words``, structured output (``response_format``, ``guided_*``) and log-probabilities are
-honoured; one blockspec does not implement (tools, echo...) is accepted only at its neutral value
-(``tools: []``, ``echo: false``...) and refused by name otherwise
+``min_p``, ``bad_words``, structured output (``response_format``, ``guided_*``), tools, ``echo``, ``best_of``
+and log-probabilities are honoured; one blockspec does not implement (``suffix``, the deprecated ``functions``)
+is accepted only at its neutral value and refused by name otherwise
 (``NOT_IMPLEMENTED``): a request is never answered as if it had been honoured. Types are strict,
 as OpenAI's are: ``"stream": "yes"`` or ``true`` among token ids is refused rather than read as
 something else, and text must be valid Unicode (no lone surrogates, which no tokenizer can encode).
@@ -103,8 +103,6 @@ class SamplingFields(BaseModel):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
-    # Parameters not implemented: only their neutral values are accepted (``not_implemented``).
-    best_of: int | None = Field(None, ge=1)
 
     def logprobs_asked(self) -> int | None:
         return None
@@ -130,9 +128,13 @@ class CompletionRequest(SamplingFields):
     """``prompt`` is text, token ids, or several prompts: a list of texts or of token-id lists (one choice each)."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    #: 0 only with ``echo``: the prompt scored, nothing generated.
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    #: Completions decoded per prompt, of which the ``n`` most likely are answered.
+    best_of: int | None = Field(None, ge=1)
+    # Not implemented: only its neutral value is accepted (``not_implemented``).
     suffix: Text | None = None
 
     @property
@@ -151,18 +153,46 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Text
+    #: JSON text, as OpenAI sends it.
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant message made."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Text
     content: Text | list[TextPart] | None = None
+    #: An assistant message's calls, and a tool message's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    name: Text | None = None
 
     def as_template_message(self) -> dict:
-        """The message as the chat template takes it (text parts joined)."""
+        """The message as the chat template takes it (text parts joined; calls and call ids where given)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -172,6 +202,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: Text | dict[str, Any] | None = None
 
@@ -190,11 +221,7 @@ class ChatCompletionRequest(SamplingFields):
 #: Parameters blockspec does not implement, each with the test of its neutral value (what the request
 #: means without it); any other value is refused with a 400 naming the parameter.
 NOT_IMPLEMENTED = {
-    "echo": lambda v: not v,
     "suffix": lambda v: v == "",
-    "best_of": lambda v: v == 1,
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: not v,
     "function_call": lambda v: v == "none",
 }
