@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Real clients against `blockspec serve`, each bounded in time: the official openai client,
-# lm-eval (local-chat-completions on a local copy of the bundled gsm8k prompts) and guidellm
-# (a synchronous and a concurrent run). The clients are installed into .venv-clients, apart
-# from the project's own environment; the server, logs and reports go to OUT.
+# lm-eval (local-chat-completions on a local copy of the bundled gsm8k prompts), lm-eval's
+# loglikelihood scoring (local-completions with echo and logprobs, on a multiple-choice task made
+# from gsm8k, checked against lm-eval's own hf backend on the same weights) and guidellm (a
+# synchronous run and a concurrent run per STREAMS number). The clients are installed into
+# .venv-clients, apart from the project's own environment; the server, logs and reports go to OUT.
 #
 #   benchmarks/clients.sh                                  # all three, the default target
 #   CLIENTS="guidellm" DURATION=60 benchmarks/clients.sh   # guidellm alone, 60 s per run
@@ -13,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PORT=${PORT:-8123}
-CLIENTS=${CLIENTS:-"openai lm-eval guidellm"}
+CLIENTS=${CLIENTS:-"openai lm-eval lm-eval-scoring guidellm"}
 DURATION=${DURATION:-60}   # seconds of each guidellm run
 STREAMS=${STREAMS:-"4 16"}  # requests in flight in guidellm's concurrent runs (one run per number)
 LIMIT=${LIMIT:-20}         # gsm8k questions lm-eval asks
@@ -22,12 +24,13 @@ OUT=${OUT:-runs/clients}
 SERVE_ARGS=${SERVE_ARGS:-}
 CLIENT_VENV=.venv-clients
 # These versions were checked; others may work.
-CLIENT_PACKAGES=("torch==2.13.0" "lm-eval[api]==0.4.13" "guidellm==0.8.1" "openai==3.51.0")
+CLIENT_PACKAGES=("torch==2.13.0" "lm-eval[api]==0.4.13" "accelerate==1.16.0" "guidellm==0.8.1" "openai==3.51.0")
 export BLOCKSPEC_API_KEY=${BLOCKSPEC_API_KEY:-clients-check-key}
 URL="http://127.0.0.1:$PORT"
 
 install_clients() {
-    if [ ! -x "$CLIENT_VENV/bin/guidellm" ] || [ ! -x "$CLIENT_VENV/bin/lm_eval" ]; then
+    if [ ! -x "$CLIENT_VENV/bin/guidellm" ] || [ ! -x "$CLIENT_VENV/bin/lm_eval" ] ||
+            ! "$CLIENT_VENV/bin/python" -c "import accelerate" 2> /dev/null; then
         python3 -m venv "$CLIENT_VENV"
         "$CLIENT_VENV/bin/pip" install --quiet "${CLIENT_PACKAGES[0]}"  # the CPU build, before anything pulls another
         "$CLIENT_VENV/bin/pip" install --quiet "${CLIENT_PACKAGES[@]:1}"
@@ -132,6 +135,71 @@ EOF
         --model_args "model=$MODEL,base_url=$URL/v1/chat/completions,num_concurrent=4,max_retries=1,tokenized_requests=False" \
         --include_path "$tasks" --tasks gsm8k_blockspec --apply_chat_template --limit "$LIMIT" \
         --output_path "$OUT/lm-eval" 2>&1 | tail -8
+}
+
+run_lm_eval_scoring() {
+    local tasks="$OUT/lm-eval-scoring-tasks" weights
+    weights=$(.venv/bin/python -c "from blockspec.hub import resolve_model; print(resolve_model('$MODEL'))")
+    mkdir -p "$tasks"
+    # Multiple choice from the bundled gsm8k problems: the right answer among three wrong numbers near it.
+    "$CLIENT_VENV/bin/python" - "$tasks" <<'EOF'
+import json, random, sys
+from pathlib import Path
+
+tasks = Path(sys.argv[1]).resolve()
+rng = random.Random(0)
+rows = []
+for line in Path("blockspec/data/prompts/gsm8k.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    answer = int(float(str(row["answer"]).replace(",", "")))
+    wrong = {answer + rng.randint(1, 9), answer * 2 + 1, max(0, answer - rng.randint(1, 9)), answer + 10} - {answer}
+    choices = [answer] + sorted(wrong)[:3]
+    rng.shuffle(choices)
+    rows.append({"question": row["turns"][0], "choices": [str(c) for c in choices], "label": choices.index(answer)})
+(tasks / "gsm8k_choice.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+(tasks / "gsm8k_choice_blockspec.yaml").write_text(f"""task: gsm8k_choice_blockspec
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tasks / 'gsm8k_choice.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+EOF
+    local common=(--include_path "$tasks" --tasks gsm8k_choice_blockspec --limit "$LIMIT" --log_samples)
+    OPENAI_API_KEY=$BLOCKSPEC_API_KEY timeout $((LIMIT * 30 + 300)) "$CLIENT_VENV/bin/lm_eval" \
+        --model local-completions \
+        --model_args "model=$MODEL,base_url=$URL/v1/completions,num_concurrent=1,max_retries=1,tokenized_requests=True,tokenizer_backend=huggingface,tokenizer=$weights" \
+        "${common[@]}" --output_path "$OUT/lm-eval-scoring/server" 2>&1 | tail -6
+    timeout $((LIMIT * 30 + 300)) "$CLIENT_VENV/bin/lm_eval" --model hf \
+        --model_args "pretrained=$weights,dtype=float32" --device cpu --batch_size 1 \
+        "${common[@]}" --output_path "$OUT/lm-eval-scoring/hf" 2>&1 | tail -6
+    # The loglikelihood of every (question, choice) through the server against lm-eval's hf backend's.
+    "$CLIENT_VENV/bin/python" - "$OUT/lm-eval-scoring" <<'EOF'
+import json, sys
+from pathlib import Path
+
+def scores(folder):
+    (samples,) = Path(folder).rglob("samples_*.jsonl")
+    docs = [json.loads(line) for line in samples.read_text().splitlines()]
+    return {d["doc_id"]: [float(r[0][0]) for r in d["resps"]] for d in docs}, {d["doc_id"]: d["acc"] for d in docs}
+
+root = Path(sys.argv[1])
+(served, served_acc), (hf, hf_acc) = scores(root / "server"), scores(root / "hf")
+gap = max(abs(a - b) for doc in hf for a, b in zip(served[doc], hf[doc]))
+same = sum(served_acc[doc] == hf_acc[doc] for doc in hf)
+print(f"lm-eval scoring: {len(hf)} questions x 4 choices; accuracy server {sum(served_acc.values()) / len(hf):.3f}, "
+      f"hf {sum(hf_acc.values()) / len(hf):.3f}; same verdict on {same}/{len(hf)}; largest loglikelihood gap {gap:.1e}")
+assert same == len(hf) and gap < 1e-3, "the server's scores differ from lm-eval's hf backend"
+EOF
 }
 
 run_guidellm() {

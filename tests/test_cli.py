@@ -1,6 +1,7 @@
 """The command line, as a user types it."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,44 @@ def test_greedy_output_is_the_same_with_and_without_a_draft(tiny_target_dir, tin
                      "--json", "Write a function"]) == 0
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("control,check", [
+    (["--json-schema", '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], '
+      '"additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}'],
+     lambda text: set(json.loads(text)) == {"n"}),
+    (["--regex", "[0-9]{3}-[ab]{2}"], lambda text: re.fullmatch("[0-9]{3}-[ab]{2}", text)),
+    (["--choice", "yes", "--choice", "no"], lambda text: text in ("yes", "no")),
+    (["--repetition-penalty", "1.5", "--presence-penalty", "1", "--logit-bias", "5=-100", "--ban", "the"],
+     lambda text: True),
+])
+def test_output_controls_hold_and_speculation_changes_no_token(tiny_target_dir, tiny_draft_dir, control, check,
+                                                               capsys):
+    outputs = []
+    for extra in (["--method", "ar"], ["--draft", str(tiny_draft_dir)]):
+        assert main(["generate", "--target", str(tiny_target_dir), *extra, *control, "--max-new-tokens", "40",
+                     "--json", "Answer in the format asked"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    assert check(outputs[0]["text"]), outputs[0]["text"]
+    if "--logit-bias" in control:
+        assert 5 not in outputs[0]["token_ids"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--logit-bias", "five=1"], "--logit-bias takes TOKEN=BIAS"),
+    (["--logit-bias", "99999=1"], "outside the target's vocabulary"),
+    (["--min-p", "2"], "--min-p must lie in [0, 1]"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--json-schema", "/nonexistent/schema.json"], "cannot read /nonexistent/schema.json"),
+    (["--json-schema", "{not json"], "--json-schema is not valid JSON"),
+    (["--regex", "[0-9"], "regex cannot be used"),
+    (["--ban", " "], "banned word must not be empty"),
+])
+def test_bad_output_controls_are_one_clear_line(tiny_target_dir, args, message, capsys):
+    assert main(["generate", "--target", str(tiny_target_dir), "--method", "ar", *args, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and message in err, err
 
 
 def test_streaming_text_and_stats(tiny_target_dir, tiny_draft_dir, capsys):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 from blockspec.cli.options import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -21,12 +23,36 @@ def add_generate_command(commands) -> None:
     parser = commands.add_parser("generate", help="generate text from a prompt, streaming")
     add_model_options(parser)
     add_sampling_options(parser)
+    add_output_control_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     parser.set_defaults(run=run_generate)
 
 
+def add_output_control_options(parser) -> None:
+    """Logit adjustments and structured output: applied to the target at every verified position, so the answer
+    is the one plain decoding with the same settings gives."""
+    group = parser.add_argument_group("output control (lossless under speculation)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 is off (default)")
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--min-p", type=float, default=0.0, help="sampling keeps tokens of at least this share of "
+                       "the most likely one's probability")
+    group.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                       help="add BIAS to token id TOKEN's logit (repeat for several)")
+    group.add_argument("--ban", action="append", default=[], metavar="WORD",
+                       help="never generate WORD, at the start of the text or after a space (repeat for several)")
+    structure = group.add_mutually_exclusive_group()
+    structure.add_argument("--json-schema", metavar="SCHEMA", help="the answer is JSON valid under SCHEMA: a file "
+                           "or the schema itself ('{\"type\": \"object\"}' for any object)")
+    structure.add_argument("--regex", metavar="PATTERN", help="the answer matches PATTERN")
+    structure.add_argument("--choice", action="append", metavar="OPTION",
+                           help="the answer is one of the options (repeat for each)")
+    structure.add_argument("--grammar", metavar="FILE", help="the answer follows a Lark or GBNF grammar")
+
+
 def run_generate(args) -> int:
+    from blockspec.decoding.adjust import bad_words_ids
     from blockspec.decoding.generate import warm_up_fast_path
     from blockspec.decoding.sequence import preferred_decoding
     from blockspec.decoding.text import stream_text
@@ -34,8 +60,11 @@ def run_generate(args) -> int:
 
     prompt = read_prompt(args.prompt)
     config = generation_config(args)  # bad values are refused before the models load
+    structure = structure_source(args)
     target, drafter = load_models(args)
-    config = preferred_decoding(drafter, config)
+    config = replace(preferred_decoding(drafter, config), grammar=output_grammar(structure, target.tokenizer),
+                     bad_words_ids=bad_words_ids(target.tokenizer, args.ban))
+    config.adjustments.check_vocabulary(target.model.config.get_text_config(decoder=True).vocab_size)
     check_verify_size(target.model, drafter, config)
     prompt_length = len(target.encode_prompt(prompt, not args.no_chat_template))
     check_token_limit(args.max_new_tokens, prompt_length, target.context_length)
@@ -65,7 +94,59 @@ def generation_config(args):
     temperature, top_p, top_k = usable_sampling(args.temperature, args.top_p, args.top_k)
     return GenerationConfig(max_new_tokens=max_new_tokens, block_size=args.block_size, temperature=temperature,
                             top_p=top_p, top_k=top_k, seed=args.seed, tree_budget=args.tree_budget,
-                            compile=args.compile, **tree_top_k_given(args))
+                            compile=args.compile, **tree_top_k_given(args), **logit_adjustments(args))
+
+
+def logit_adjustments(args) -> dict:
+    """The --*-penalty, --min-p and --logit-bias options as ``GenerationConfig`` fields (checked there)."""
+    if not 0.0 <= args.min_p <= 1.0:
+        raise BlockspecError(f"--min-p must lie in [0, 1], got {args.min_p}")
+    bias = {}
+    for given in args.logit_bias:
+        token, _, value = given.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise BlockspecError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), got {given!r}") from None
+    return {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty, "min_p": args.min_p, "logit_bias": bias}
+
+
+def structure_source(args) -> tuple[str, object] | None:
+    """What the answer must follow, read and parsed before the models load: (kind, value) or None."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            text = _read(text, "--json-schema")
+        try:
+            return "json", json.loads(text)
+        except json.JSONDecodeError as error:
+            raise BlockspecError(f"--json-schema is not valid JSON: {error}") from None
+    if args.grammar is not None:
+        return "grammar", _read(args.grammar, "--grammar")
+    if args.regex is not None:
+        return "regex", args.regex
+    if args.choice:
+        return "choice", args.choice
+    return None
+
+
+def _read(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise BlockspecError(f"{option}: cannot read {path}: {error.strerror or error}") from None
+
+
+def output_grammar(structure: tuple[str, object] | None, tokenizer):
+    """The grammar of --json-schema, --regex, --choice or --grammar over the target's tokenizer (None: free)."""
+    from blockspec.decoding.grammar import Grammar
+
+    if structure is None:
+        return None
+    kind, value = structure
+    make = {"json": Grammar.json_schema, "regex": Grammar.regex, "choice": Grammar.choice, "grammar": Grammar.lark}
+    return make[kind](tokenizer, value)
 
 
 def check_token_limit(asked: int | None, prompt_length: int, context: int | None) -> None:

@@ -62,6 +62,19 @@ class LogitAdjustments:
                                  f"vocabulary [0, {vocab_size})")
 
 
+def bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens as it starts the text and as it follows a space (vLLM's rule: banned either way)."""
+    ids = []
+    for word in words:
+        if not word.strip():
+            raise BlockspecError("a banned word must not be empty")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            tokens = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if tokens and tokens not in ids:
+                ids.append(tokens)
+    return tuple(ids)
+
+
 def adjust_scores(scores: TargetScores, adjustments: LogitAdjustments, prompt_ids: torch.LongTensor,
                   output_ids: list[int], block: VerifyBlock | None = None) -> TargetScores:
     """The scores of a verified ``block`` (None: the prompt's last row) with each row adjusted in its own

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from blockspec.decoding.adjust import bad_words_ids
 from blockspec.decoding.grammar import Grammar
 from blockspec.decoding.sequence import GenerationConfig, TokenLogprob, check_tree_drafter, resolve_block_size
 from blockspec.errors import BlockspecError
@@ -412,16 +413,10 @@ def _response_schema(response_format: dict) -> dict:
 
 
 def _bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
-    """Each word's tokens as it starts the text and as it follows a space (vLLM's rule: banned either way)."""
-    ids = []
-    for word in words:
-        if not word.strip():
-            raise bad_request("bad_words must not hold an empty word", param="bad_words", code="invalid_value")
-        for text in (word.lstrip(), " " + word.lstrip()):
-            tokens = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if tokens and tokens not in ids:
-                ids.append(tokens)
-    return tuple(ids)
+    try:
+        return bad_words_ids(tokenizer, words)
+    except BlockspecError as error:
+        raise bad_request(f"bad_words: {error}", param="bad_words", code="invalid_value") from error
 
 
 def _choices(request: PreparedRequest, count: int) -> list[PreparedRequest]:
