@@ -314,3 +314,46 @@ def test_a_row_cancelled_while_its_prompt_enters_leaves_the_others_untouched(tar
 def test_prefill_chunk_must_be_positive(target):
     with pytest.raises(BlockspecError, match="prefill_chunk must be >= 1 tokens"):
         BatchEngine(target, None, prefill_chunk=0)
+
+
+# -- the KV budget --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_rows_wait_for_room_in_the_kv_budget_and_answer_as_alone(target, compile):
+    """A budget holding two rows of the longest reach: never more than two decode at once, the cache never takes
+    more slots than the budget, and every row answers as it would alone."""
+    prototype = make_prototype("dflash", target)
+    cases = mixed_prompts()
+    configs = [GenerationConfig(max_new_tokens=6 + i, block_size=6) for i in range(len(cases))]
+    longest = max(ids.shape[1] + config.max_new_tokens for ids, config in zip(cases, configs))
+    engine = BatchEngine(target, prototype, max_batch_size=8, compile=compile)
+    budget = engine.target.kv_slots(2, longest)
+    assert budget < engine.target.kv_slots(3, longest)
+    engine.kv_budget = budget
+    rows = [engine.add(ids, config) for ids, config in zip(cases, configs)]
+    held = []
+    while engine.has_work:
+        engine.step()
+        held.append(engine.kv_slots)
+    assert max(engine.batch_sizes) == 2 and max(held) <= budget
+    for row, ids, config in zip(rows, cases, configs):
+        assert row.token_ids == alone(target, ids, prototype, config).token_ids
+
+
+def test_a_row_the_kv_budget_could_not_hold_alone_is_refused(target):
+    engine = BatchEngine(target, None, max_batch_size=4, kv_budget=10)
+    with pytest.raises(BlockspecError, match="more than the budget of 10: ask for fewer new tokens"):
+        engine.add([5, 6, 7], GenerationConfig(max_new_tokens=8))
+    with pytest.raises(BlockspecError, match="kv_budget must be >= 1"):
+        BatchEngine(target, None, kv_budget=0)
+
+
+def test_the_batch_cache_takes_memory_as_rows_join_and_gives_it_back_as_they_leave(target):
+    engine = BatchEngine(target, None, max_batch_size=8, compile="on")
+    rows = [engine.add(ids, GenerationConfig(max_new_tokens=4 + 4 * (i == 0))) for i, ids in enumerate(mixed_prompts())]
+    allocated = []
+    while engine.has_work:
+        engine.step()
+        allocated.append(engine.target.cache.batch)
+    assert max(allocated) == 8 and allocated[-1] == 1  # rows left: a quarter or fewer of the slots frees the rest
+    assert all(row.finished for row in rows)

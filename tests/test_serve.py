@@ -357,8 +357,34 @@ def test_serve_options_are_checked(tiny_target_dir, capsys):
 
     assert main(["serve", "--target", str(tiny_target_dir), "--method", "ar", "--port", "0"]) == 2
     assert "--port" in capsys.readouterr().err
+    assert main(["serve", "--target", str(tiny_target_dir), "--method", "ar", "--kv-budget", "lots"]) == 2
+    assert "--kv-budget takes a number of token slots" in capsys.readouterr().err
     with pytest.raises(BlockspecError, match="max_queue"):
         create_app(load_served_target(tiny_target_dir), None, max_queue=0)
+
+
+def test_a_request_past_the_kv_budget_is_a_400_and_the_others_wait_for_room(tiny_target_dir):
+    from blockspec.decoding.batch import BatchEngine
+
+    target = load_served_target(tiny_target_dir)
+    reach = len(target.encode_prompt("Natalia sold clips", use_chat_template=False)) + 8
+    budget = BatchEngine(target.model, None, max_batch_size=4).target.kv_slots(2, reach)  # two rows, not three
+    app = create_app(target, None, max_batch_size=4, kv_budget=budget)
+    with running_server(app) as url:
+        body = {"model": target.name, "prompt": "Natalia sold clips", "temperature": 0}
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 200})
+        assert assert_openai_error(refused, 400, param="max_tokens")["code"] == "kv_budget_exceeded"
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 8},
+                                                         timeout=60).json(), range(4)))
+        assert len({answer["choices"][0]["text"] for answer in answers}) == 1
+        metrics = httpx.get(f"{url}/metrics").text
+        assert f"blockspec_kv_budget {float(budget)}" in metrics
+        histogram = {line.split("le=")[1].split("}")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("blockspec_batch_size_bucket")}
+        assert histogram['"2.0"'] == histogram['"+Inf"']  # two rows at a time at most, never four
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 4, "stream": True}) as stream:
+            assert stream.headers["x-queue-position"] == "0"
 
 
 # -- trees, the adaptive width and batches of one ------------------------------------------------

@@ -35,6 +35,10 @@ def add_serve_command(commands) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=256,  # serve.engine.DEFAULT_PREFILL_CHUNK
                         help="prompt tokens a batch step prefills at most: a long prompt enters over several steps "
                              "and holds the decoding rows up one chunk at a time (default 256)")
+    parser.add_argument("--kv-budget", default="auto", metavar="SLOTS",
+                        help="token slots (rows x columns) the batch's KV cache may take: a request waits until the "
+                             "decoding rows leave room for its prompt and longest answer (default auto: what 40%% "
+                             "of the memory available at start-up holds; none: no bound)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests in flight (waiting + decoding) before new ones get 503 (default 64)")
     parser.add_argument("--api-key", action="append", default=None,
@@ -61,6 +65,7 @@ def run_serve(args) -> int:
 
     from blockspec.decoding.sequence import GenerationConfig
     from blockspec.serve.app import check_decoding, create_app, one_at_a_time
+    from blockspec.serve.limits import default_kv_budget
 
     if not 0 < args.port < 65536:
         raise BlockspecError(f"--port must be 1..65535, got {args.port}")
@@ -69,21 +74,40 @@ def run_serve(args) -> int:
     if args.prefill_chunk < 1:
         raise BlockspecError(f"--prefill-chunk must be >= 1 tokens, got {args.prefill_chunk}")
     api_keys = api_keys_of(args)
+    kv_budget = kv_budget_asked(args)
     decoding = decoding_options(args)
     GenerationConfig(**decoding.config_fields())  # bad values are refused before the models load
     target, drafter = load_models(args)
     decoding = decoding.for_drafter(drafter)
     check_decoding(target.model, drafter, decoding)
+    if kv_budget == "auto":
+        kv_budget = None if one_at_a_time(args.max_batch_size) else default_kv_budget(target.model, args.max_batch_size)
     app = create_app(target, drafter, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                      max_request_bytes=args.max_request_bytes, prefill_chunk=args.prefill_chunk,
-                     api_keys=api_keys, decoding=decoding)
+                     api_keys=api_keys, decoding=decoding, kv_budget=kv_budget)
     # compiled graphs (one request at a time) or the batch's T(B, w) (adaptive width), ahead of the first request
     app.state.engine.prepare(GenerationConfig(**decoding.config_fields()), say=lambda text: print(
         f"blockspec: {text}", file=sys.stderr))
-    how = "one request at a time" if one_at_a_time(args.max_batch_size) else f"batches of up to {args.max_batch_size}"
+    how = "one request at a time" if one_at_a_time(args.max_batch_size) else \
+        f"batches of up to {args.max_batch_size}, " + ("no KV budget" if kv_budget is None else
+                                                      f"a KV budget of {kv_budget} token slots")
     print(f"blockspec: serving {target.name} ({'AR' if drafter is None else drafter.name}, "
           f"{verify_shape(decoding, drafter)}, {how}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
     return serve_from_main_thread(app, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+
+
+def kv_budget_asked(args) -> int | str | None:
+    """--kv-budget, checked: a number of token slots, 'auto' or None ('none')."""
+    if args.kv_budget in ("auto", "none"):
+        return None if args.kv_budget == "none" else "auto"
+    try:
+        budget = int(args.kv_budget)
+    except ValueError:
+        budget = 0
+    if budget < 1:
+        raise BlockspecError(f"--kv-budget takes a number of token slots >= 1, 'auto' or 'none', "
+                             f"got {args.kv_budget!r}")
+    return budget
 
 
 def serve_from_main_thread(app, config) -> int:

@@ -131,6 +131,15 @@ class BatchTarget:
     def reserve(self, length: int) -> None:
         """Nothing to do: the dynamic cache grows as it goes."""
 
+    def kv_slots(self, rows: int, longest: int) -> int:
+        """Token slots (rows x columns) the cache takes to hold ``rows`` rows of up to ``longest`` positions (the
+        columns the rows share, compacted when sparse: about the longest row's)."""
+        return rows * longest
+
+    @property
+    def kv_slots_held(self) -> int:
+        return self.cache.valid.numel()
+
     @property
     def path(self) -> str:
         """The forward path's name in the cost cache."""
@@ -166,15 +175,21 @@ class BatchEngine(RowQueue):
     """
 
     def __init__(self, target_model, drafter: Drafter | None = None, *, max_batch_size: int = 8,
-                 compile: str = "off", width_policies: WidthPolicies | None = None, prefill_chunk: int | None = None):
+                 compile: str = "off", width_policies: WidthPolicies | None = None, prefill_chunk: int | None = None,
+                 kv_budget: int | None = None):
         if max_batch_size < 1:
             raise BlockspecError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if kv_budget is not None and kv_budget < 1:
+            raise BlockspecError(f"kv_budget must be >= 1 token slots (or None: no bound), got {kv_budget}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise BlockspecError(f"prefill_chunk must be >= 1 tokens (or None: whole prompts), got {prefill_chunk}")
         super().__init__(target_model, drafter, width_policies)
         self.max_batch_size = max_batch_size
         self.compile = compile
         self.prefill_chunk = prefill_chunk
+        #: Token slots (rows x columns) the target's KV cache may take: a row joins only when the cache would
+        #: hold every row's prompt and longest answer within it (so no row is ever cut short for memory).
+        self.kv_budget = kv_budget
         #: The first waiting row while its prompt enters the cache in parts: the tokens in so far, their features.
         self._prefilling: Row | None = None
         self._prefilled = 0
@@ -196,7 +211,8 @@ class BatchEngine(RowQueue):
     def fresh(self) -> "BatchEngine":
         """An empty engine over the same model and drafter (after a failed step)."""
         return BatchEngine(self.model, self.drafter, max_batch_size=self.max_batch_size, compile=self.compile,
-                           width_policies=self.width_policies, prefill_chunk=self.prefill_chunk)
+                           width_policies=self.width_policies, prefill_chunk=self.prefill_chunk,
+                           kv_budget=self.kv_budget)
 
     def add(self, input_ids, config: GenerationConfig | None = None, *, namespace: str | None = None) -> Row:
         """Queue one sequence (ids [T] or [1, T]); it joins the batch at the next step. Each row verifies a chain
@@ -205,9 +221,23 @@ class BatchEngine(RowQueue):
         config = config or GenerationConfig()
         drafter = self.drafter.for_namespace(namespace) if self.drafter is not None else None
         sequence = new_sequence(self.model, input_ids, drafter, config)
+        self.check_fits(sequence.input_ids.shape[1], sequence.max_new_tokens)
         if adapts_width(config):
             sequence.width_policy = self._width_policy(drafter, sequence.config)
         return self._queue(sequence)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a row the KV budget could not hold even alone."""
+        need = self.target.kv_slots(1, prompt_tokens + max_new_tokens)
+        if self.kv_budget is not None and need > self.kv_budget:
+            raise BlockspecError(f"a prompt of {prompt_tokens} tokens and up to {max_new_tokens} new ones take "
+                                 f"{need} KV cache slots, more than the budget of {self.kv_budget}: ask for fewer "
+                                 "new tokens or send a shorter prompt")
+
+    @property
+    def kv_slots(self) -> int:
+        """Token slots the target's KV cache holds now."""
+        return self.target.kv_slots_held
 
     def prepare(self, config: GenerationConfig, say=None) -> None:
         """Measure (or read from disk) the T(B, w) rows under ``config`` will choose their widths by."""
@@ -241,7 +271,7 @@ class BatchEngine(RowQueue):
         all in picks its first token and joins the batch."""
         events = []
         budget = self.prefill_chunk or float("inf")
-        while self.waiting and len(self.rows) < self.max_batch_size and budget > 0:
+        while self.waiting and len(self.rows) < self.max_batch_size and budget > 0 and self._fits(self.waiting[0]):
             row = self.waiting[0]
             out, budget = self._prefill_part(row, budget)
             if out is None:
@@ -252,6 +282,13 @@ class BatchEngine(RowQueue):
             self.rows.append(row)
             events.append(BatchEvent(row, step))
         return events
+
+    def _fits(self, row: Row) -> bool:
+        """Whether the KV budget holds the running rows and ``row`` (one already entering: yes), each to its longest."""
+        if self.kv_budget is None or row is self._prefilling:
+            return True
+        reach = max(_reach(r) for r in [*self.rows, row])
+        return self.target.kv_slots(len(self.rows) + 1, reach) <= self.kv_budget
 
     def _prefill_part(self, row: Row, budget: float) -> tuple[TargetOutput | None, float]:
         """Prefill the next part of the row's prompt within ``budget`` tokens: the whole prompt's output once its
@@ -293,6 +330,11 @@ class BatchEngine(RowQueue):
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             self.target.keep_sequences(keep)
+
+
+def _reach(row: Row) -> int:
+    """The positions a row may come to hold: its prompt and its longest answer."""
+    return row.sequence.input_ids.shape[1] + row.sequence.max_new_tokens
 
 
 @dataclass

@@ -58,6 +58,17 @@ class RowQueue:
     def has_work(self) -> bool:
         return bool(self.rows or self.waiting)
 
+    #: Token slots the KV cache may take (None: no bound); the batch engine admits rows within it.
+    kv_budget: int | None = None
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a row that could never be decoded within the KV budget (an engine without one refuses none)."""
+
+    @property
+    def kv_slots(self) -> int | None:
+        """Token slots the target's KV cache holds now (None: the engine does not track them)."""
+        return None
+
     @property
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.rows) - len(self.waiting)

@@ -35,6 +35,14 @@ def capacity_for(length: int) -> int:
     return capacity
 
 
+def kv_slot_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes one token slot of one row takes in a ``StaticKVCache`` of a model with ``config``: its keys and
+    values in every layer."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
 class StaticKVCache:
     """Keys and values [B, H_kv, capacity, D] per layer, and each row's kept length."""
 
@@ -95,17 +103,19 @@ class StaticKVCache:
             values[target] = values[source]
         self.lengths[target] = self.lengths[source]
 
-    def resized(self, capacity: int) -> "StaticKVCache":
-        """A copy with room for ``capacity`` columns, at least every row's length (entries and lengths kept)."""
+    def resized(self, capacity: int, batch: int | None = None) -> "StaticKVCache":
+        """A copy with room for ``capacity`` columns (at least every row's length) and ``batch`` rows (default:
+        as many as now), the leading rows' entries and lengths kept."""
+        batch = self.batch if batch is None else batch
         if capacity < max(self.lengths, default=0):
             raise ValueError(f"a cache of {capacity} columns cannot hold rows of {max(self.lengths)} positions")
         keys = self.keys[0]
         config = _CacheShape(len(self.keys), keys.shape[1], keys.shape[3])
-        copy = StaticKVCache(config, self.batch, capacity, keys.dtype, keys.device)
-        kept = min(capacity, self.capacity)
+        copy = StaticKVCache(config, batch, capacity, keys.dtype, keys.device)
+        kept, rows = min(capacity, self.capacity), min(batch, self.batch)
         for old, new in zip(self.keys + self.values, copy.keys + copy.values):
-            new[:, :, :kept] = old[:, :, :kept]
-        copy.lengths = list(self.lengths)
+            new[:rows, :, :kept] = old[:rows, :, :kept]
+        copy.lengths = list(self.lengths[:rows]) + [0] * (batch - rows)
         return copy
 
 

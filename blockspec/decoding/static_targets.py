@@ -51,15 +51,16 @@ class StaticBatchTarget:
     A new row is prefilled into the next free slot; a leaving row's slot is refilled by moving the last
     row into it, so the active rows are always the first ones and a forward runs over exactly them.
     Rows keep their own lengths (their own columns), so nothing is ever left-padded or compacted.
-    The cache grows (by doubling) as the longest row needs, and shrinks back when the rows that needed
-    it leave, so memory follows the rows decoding rather than the longest answer a request may ask for.
+    The cache grows (by doubling) as the longest row needs and as rows join, and shrinks back when the rows
+    that needed it leave, so memory follows the rows decoding rather than the batch's limit and the
+    longest answer a request may ask for.
     Runs eagerly (oneDNN-packed on a CPU): a batch's row count changes step to step.
     """
 
     def __init__(self, fast: FastForward, max_batch_size: int):
         self.fast = fast
         self.max_batch_size = max_batch_size
-        self.cache = fast.new_cache(0, batch=max_batch_size)
+        self.cache = fast.new_cache(0, batch=1)
         self.rows = 0
         #: Whether the slot after the active rows holds a prompt prefilled in part (it joins with its last part).
         self.prefilling = False
@@ -87,6 +88,8 @@ class StaticBatchTarget:
     def prefill(self, input_ids: torch.LongTensor, start: int = 0, last: bool = True) -> TargetOutput:
         """Prefill the next free slot: the whole prompt, or its part from ``start`` (in order); the row joins the
         active ones with its ``last`` part."""
+        if self.rows >= self.cache.batch:
+            self.cache = self.cache.resized(self.cache.capacity, min(self.max_batch_size, 2 * self.cache.batch))
         logits, features = self.fast.prefill(self.cache, self.rows, input_ids, start)
         self.prefilling = not last
         if last:
@@ -112,8 +115,8 @@ class StaticBatchTarget:
 
     def keep_sequences(self, indices: list[int]) -> None:
         """Only these rows (by index, in order) go on; the others leave their slots, and the cache shrinks to
-        what the rows left need once that is half of it or less (it only shrinks when rows leave, so it
-        cannot swing back and forth step by step)."""
+        what the rows left need once that is half of its length or less, or a quarter of its rows (it only
+        shrinks when rows leave, and grows by doubling, so it cannot swing back and forth step by step)."""
         partial = self.rows
         for slot, row in enumerate(indices):
             if row != slot:
@@ -125,5 +128,22 @@ class StaticBatchTarget:
         for slot in range(held, self.cache.batch):
             self.cache.lengths[slot] = 0
         needed = self.fast.capacity(max(self.cache.lengths[:held], default=0))
-        if 2 * needed <= self.cache.capacity:
-            self.cache = self.cache.resized(needed)
+        rows = self.cache.batch if held > self.cache.batch // 4 else rows_allocated(held, self.max_batch_size)
+        if 2 * needed <= self.cache.capacity or rows < self.cache.batch:
+            self.cache = self.cache.resized(min(needed, self.cache.capacity), rows)
+
+    def kv_slots(self, rows: int, longest: int) -> int:
+        """Token slots (rows x columns) the cache takes to hold ``rows`` rows of up to ``longest`` positions."""
+        return rows_allocated(rows, self.max_batch_size) * self.fast.capacity(longest)
+
+    @property
+    def kv_slots_held(self) -> int:
+        return self.cache.batch * self.cache.capacity
+
+
+def rows_allocated(rows: int, max_batch_size: int) -> int:
+    """The rows a batch cache holding ``rows`` allocates: a power of two, at least one, at most the batch's limit."""
+    held = 1
+    while held < rows:
+        held *= 2
+    return min(held, max_batch_size)

@@ -45,7 +45,7 @@ _DEFAULT_CHAT_TOKENS = 4096
 def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 64,
                api_keys: str | Sequence[str] | None = None, decoding: DecodingOptions | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES,
-               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> FastAPI:
+               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, kv_budget: int | None = None) -> FastAPI:
     """An app serving ``target`` under its name; ``api_keys`` (one or several) turn on Bearer
     authentication of /v1. Each key is a tenant of its own: a drafter that copies earlier answers
     (suffix) copies only from answers given under the same key.
@@ -54,7 +54,9 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MA
     generate`` uses, for a one-pass drafter the adaptive width over a token tree, chosen per step for the
     whole batch); with a batch of one, requests are decoded one at a time through the ``generate`` loop.
     A request body over ``max_request_bytes`` is answered 413 without being read further. A step of the batch
-    prefills at most ``prefill_chunk`` prompt tokens (None: new prompts whole).
+    prefills at most ``prefill_chunk`` prompt tokens (None: new prompts whole). The batch's KV cache takes at most
+    ``kv_budget`` token slots (rows x columns; None: no bound): a request waits until the rows decoding leave it
+    room for its prompt and longest answer, and one that the budget could not hold alone is a 400.
     """
     if max_queue < 1:
         raise BlockspecError(f"max_queue must be >= 1, got {max_queue}")
@@ -66,7 +68,8 @@ def create_app(target: Target, drafter=None, *, max_batch_size: int = DEFAULT_MA
     metrics = ServerMetrics()
     engine = ServingEngine(target.model, drafter, max_batch_size=max_batch_size, max_queue=max_queue,
                            metrics=metrics, per_sequence=one_at_a_time(max_batch_size),
-                           compile=decoding.compile, prefill_chunk=prefill_chunk)
+                           compile=decoding.compile, prefill_chunk=prefill_chunk, kv_budget=kv_budget)
+    metrics.kv_budget.set(kv_budget or 0)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -595,8 +598,10 @@ class ChatCompletion(TextCompletion):
 async def _respond(generation: Generation, body: SamplingFields, request: Request, shape: TextCompletion):
     if body.stream:
         events = _stream_events(generation, shape, body.include_usage)
-        return CancellingStream(events, on_close=generation.close, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if generation.submission is not None:
+            headers["X-Queue-Position"] = str(generation.submission.queue_position)
+        return CancellingStream(events, on_close=generation.close, media_type="text/event-stream", headers=headers)
     return await _collect_choices([generation], shape, request)
 
 

@@ -40,6 +40,7 @@ from blockspec.decoding.score import text_logprobs
 from blockspec.decoding.sequence import GenerationConfig, GenerationStats, TokenLogprob, preferred_decoding
 from blockspec.decoding.sequential import SequentialEngine
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
+from blockspec.errors import BlockspecError
 from blockspec.serve.metrics import ServerMetrics
 from blockspec.serve.schemas import APIError
 
@@ -108,6 +109,8 @@ class Submission:
     earlier_logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Tokens of ``output`` handed to the request so far.
     delivered: int = 0
+    #: Requests ahead of it, not yet decoding, when it was accepted (0: it joins the batch at the next step).
+    queue_position: int = 0
 
     @property
     def output(self) -> list[int]:
@@ -168,12 +171,12 @@ class ServingEngine:
 
     def __init__(self, target_model, drafter=None, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 64,
                  metrics: ServerMetrics | None = None, per_sequence: bool = False, compile: str = "off",
-                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, kv_budget: int | None = None):
         if per_sequence:
             self.engine = SequentialEngine(target_model, drafter)
         else:
             self.engine = BatchEngine(target_model, drafter, max_batch_size=max_batch_size, compile=compile,
-                                      prefill_chunk=prefill_chunk)
+                                      prefill_chunk=prefill_chunk, kv_budget=kv_budget)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -202,11 +205,16 @@ class ServingEngine:
         if not self.alive:
             raise APIError(503, "the decoding engine is not running: restart the server", type="server_error",
                            code="engine_stopped")
+        try:
+            self.engine.check_fits(len(input_ids), config.max_new_tokens)
+        except BlockspecError as error:
+            raise APIError(400, str(error), param="max_tokens", code="kv_budget_exceeded") from error
         submission = Submission(next(self._ids), list(input_ids), config, asyncio.get_running_loop(), namespace)
         with self._lock:
             if len(self._in_flight) >= self.max_queue:
                 raise APIError(503, f"the server is at capacity ({self.max_queue} requests in flight): retry later",
                                type="server_error", code="server_overloaded")
+            submission.queue_position = max(0, len(self._in_flight) - len(self.engine.rows))
             self._in_flight[submission.id] = submission
             self.metrics.in_flight.set(len(self._in_flight))
         self._commands.put(("add", submission))
@@ -430,3 +438,5 @@ class ServingEngine:
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.engine.waiting))
         self.metrics.active_rows.set(len(self.engine.rows))
+        if self.engine.kv_slots is not None:
+            self.metrics.kv_slots.set(self.engine.kv_slots)

@@ -8,10 +8,12 @@ for every request before it joins the batch.
 
 from __future__ import annotations
 
+import torch
 from starlette.exceptions import HTTPException
 
 from blockspec.decoding.fast import WIDTH_BUCKETS
 from blockspec.decoding.sequence import GenerationConfig, widest_verify
+from blockspec.decoding.static_cache import capacity_for, kv_slot_bytes
 from blockspec.errors import BlockspecError
 from blockspec.serve.schemas import APIError
 from blockspec.training.memory import available_memory
@@ -27,6 +29,8 @@ MIN_TOP_P = 1e-5
 MAX_VERIFY_TOKENS = 4 * WIDTH_BUCKETS[-1]
 #: The share of the available memory one verify forward's logits, mask and features may take.
 VERIFY_MEMORY_SHARE = 0.5
+#: The share of the memory available at start-up the batch's KV cache may take by default (--kv-budget auto).
+KV_MEMORY_SHARE = 0.4
 #: The largest request body read (--max-request-bytes): a whole 128k-token prompt as JSON is about 1 MB.
 MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -104,3 +108,16 @@ class BodySizeLimit:
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+def default_kv_budget(model, max_batch_size: int) -> int | None:
+    """The KV budget (token slots) the server admits rows within by default: what ``KV_MEMORY_SHARE`` of the
+    memory available now holds, or None (no bound) when that holds ``max_batch_size`` rows of the whole
+    context anyway."""
+    config = model.config.get_text_config(decoder=True)
+    free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else available_memory()
+    slots = int(KV_MEMORY_SHARE * free / kv_slot_bytes(config, model.dtype))
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and slots >= max_batch_size * capacity_for(context + WIDTH_BUCKETS[-1]):
+        return None
+    return slots

@@ -42,6 +42,10 @@ class ServerMetrics:
                                       registry=r)
         self.active_rows = Gauge("blockspec_active_rows", "Rows in the running batch", registry=r)
         self.queue_depth = Gauge("blockspec_queue_depth", "Requests waiting to join the batch", registry=r)
+        self.kv_slots = Gauge("blockspec_kv_slots", "Token slots (rows x columns) the batch's KV cache holds",
+                              registry=r)
+        self.kv_budget = Gauge("blockspec_kv_budget", "Token slots the batch's KV cache may take (0: no bound)",
+                               registry=r)
         self.in_flight = Gauge("blockspec_requests_in_flight", "Requests accepted and not finished", registry=r)
         self.latency = Histogram("blockspec_request_latency_seconds", "Time from receiving a generation "
                                  "request to its last token", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
