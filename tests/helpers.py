@@ -140,6 +140,24 @@ def make_dflash(target, num_layers=2, block_size=16, mask_token_id=3, seed=1) ->
     return DFlashDraftModel(config).to(next(target.parameters()).dtype).eval()
 
 
+def make_dspark(target, *, kind="vanilla", rank=8, confidence=True, anchor=True, num_layers=2, block_size=6,
+                mask_token_id=3, seed=1) -> DFlashDraftModel:
+    """A randomly initialised DSpark draft: the DFlash backbone with a Markov head of ``kind``, a confidence head
+    and DSpark's block convention (``anchor``: the anchor's slot predicts). Its Markov head is scaled up so that
+    the bias really changes what each position drafts."""
+    torch.manual_seed(seed)
+    config = make_dflash_config(target.config, num_layers=num_layers, block_size=block_size,
+                                mask_token_id=mask_token_id)
+    config.markov_rank, config.markov_head_type = rank, kind
+    config.enable_confidence_head, config.confidence_head_with_markov = confidence, True
+    config.sample_from_anchor = anchor
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        model.markov_head.markov_w1.weight.normal_(0, 1.0)
+        model.markov_head.markov_w2.weight.normal_(0, 1.0)
+    return model.to(next(target.parameters()).dtype).eval()
+
+
 RECURSIVE_KINDS = {"eagle3": (Eagle3DraftModel, make_eagle3_config), "mtp": (MTPDraftModel, make_mtp_config)}
 
 

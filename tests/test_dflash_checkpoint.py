@@ -138,7 +138,7 @@ def test_missing_weights_are_refused_not_randomly_initialised(tmp_path):
     ("no_dir", "does not exist"),
     ("no_config", "no config.json"),
     ("bad_json", "not valid JSON"),
-    ("not_dflash", "not a DFlash draft"),
+    ("not_dflash", "not a DFlash or DSpark draft"),
     ("no_mask", "mask_token_id"),
     ("no_layer_ids", "lacks dflash_config.target_layer_ids"),
     ("layer_ids_out_of_target", "not all layers of a 4-layer target"),
@@ -409,8 +409,8 @@ def test_a_speculators_dflash_draft_loads_and_drafts_as_ours(tmp_path):
 
 
 @pytest.mark.parametrize("settings,message", [
-    ({"speculators_model_type": "dspark"}, "speculators_model_type 'dspark' is not supported"),
-    ({"sample_from_anchor": True}, "sample_from_anchor set in config.json"),
+    ({"speculators_model_type": "domino"}, "speculators_model_type 'domino' is not supported"),
+    ({"speculators_model_type": "dspark"}, "a speculators DSpark draft needs markov_rank >= 1"),
     ({"dflash2_dynamic_conv": True}, "dflash2_dynamic_conv set in config.json"),
     ({"aux_hidden_state_layer_ids": None}, "needs transformer_layer_config, aux_hidden_state_layer_ids"),
 ])

@@ -84,10 +84,15 @@ class DFlashDrafter(PositionwiseDrafter):
     """
 
     name = "dflash"
+    #: Whether it runs the draft's Markov head (DSpark's): a plain DFlash drafter refuses a draft that has one.
+    chains_positions = False
 
     def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
                  denoise_steps: int = 1, packed: bool = False, draft_vocabulary=None,
                  sequence_tokens: bool = True, max_sequence_rows: int = MAX_SEQUENCE_ROWS, draft_dtype=None):
+        if model.markov_head is not None and not self.chains_positions:
+            raise BlockspecError("this is a DSpark draft (a Markov head chains its block's positions): run it with "
+                                 "--method dspark")
         check_fits_target(model, target_model.config)
         if draft_vocabulary is not None:
             model.compress_vocabulary(draft_vocabulary, target_model.get_output_embeddings().weight)
@@ -121,13 +126,18 @@ class DFlashDrafter(PositionwiseDrafter):
             self.lm_head = planned(self.lm_head, plan) if heads else self.lm_head
             self.model = module_twin(self.model, plan=plan)
         self.feature_layers = list(model.target_layer_ids)
-        self.max_draft_tokens = model.block_size - 1
-        self.default_block_size = model.block_size
+        self.max_draft_tokens = model.max_draft_tokens
+        self.default_block_size = model.max_draft_tokens + 1
+        #: Block slots before the first that predicts: the anchor's, unless the anchor's slot predicts itself.
+        self.lead = 0 if model.anchor_predicts else 1
         self.mask_token_id = int(model.mask_token_id)
         #: At temperature > 0: sample drafts from q and use full rejection sampling (True),
         #: or draft greedily and accept with probability p(draft) (False, the reference).
         self.sample_drafts = sample_drafts
         self.denoise_steps = check_denoise_steps(denoise_steps)
+        if self.denoise_steps > 1 and model.anchor_predicts:
+            raise BlockspecError("denoise_steps > 1 refills masked slots with their drafts, but this draft's slot k "
+                                 "predicts the token after it (sample_from_anchor): draft it in one pass")
         self.device = param.device
 
     @staticmethod
@@ -211,19 +221,23 @@ class DFlashDrafter(PositionwiseDrafter):
         (their weights read once), each row attending its own context cache."""
         if len(states) == 1 or self.denoise_steps > 1 or not self.model.attends_rows_alike:
             return super().rows_logits(states, last_tokens, num_tokens)
-        block_ids = self._block_ids(last_tokens, num_tokens)
-        positions = torch.tensor([_block_start(s) for s in states], device=self.device).unsqueeze(1) + \
-            torch.arange(num_tokens + 1, device=self.device).unsqueeze(0)
-        embeddings = self.model.embed_block(self.embed_tokens, block_ids).to(self.dtype)
-        contexts = [None if s.pending is None else s.pending.to(self.dtype) for s in states]
-        hidden = self.model.forward_rows(embeddings, positions, contexts, [s.cache for s in states])[:, 1:]
+        hidden = self.rows_hidden(states, last_tokens, num_tokens)
         heads = self.lm_head(hidden.reshape(-1, hidden.shape[-1]).to(self.head_dtype))
         heads = heads.view(len(states), num_tokens, -1)
-        rows = []
-        for row, state in enumerate(states):
+        return [(self._scored(hidden[row], heads[row], state), self.row_ids(state)) for row, state in enumerate(states)]
+
+    def rows_hidden(self, states: list[DFlashState], last_tokens: list[int], num_tokens: int) -> torch.Tensor:
+        """The final hidden states [B, num_tokens, D] of every sequence's block, from one pass (each row's pending
+        context enters its cache)."""
+        block_ids = self._block_ids(last_tokens, num_tokens)
+        positions = torch.tensor([_block_start(s) for s in states], device=self.device).unsqueeze(1) + \
+            torch.arange(block_ids.shape[1], device=self.device).unsqueeze(0)
+        embeddings = self.model.embed_block(self.embed_tokens, block_ids).to(self.dtype)
+        contexts = [None if s.pending is None else s.pending.to(self.dtype) for s in states]
+        hidden = self.model.forward_rows(embeddings, positions, contexts, [s.cache for s in states])[:, self.lead:]
+        for state in states:
             state.pending = None
-            rows.append((self._scored(hidden[row], heads[row], state), self.row_ids(state)))
-        return rows
+        return hidden
 
     def row_ids(self, state: DFlashState) -> torch.LongTensor | None:
         """The target id of each row this sequence's drafts score (None: the target's whole vocabulary)."""
@@ -261,7 +275,7 @@ class DFlashDrafter(PositionwiseDrafter):
                 logits = self._block_logits(state, block_ids, start)
             chosen = most_confident(logits, masked, count)
             committed[chosen] = logits[chosen]
-            block_ids[0, 1 + chosen] = self._target_ids(logits[chosen].argmax(dim=-1), row_ids)
+            block_ids[0, self.lead + chosen] = self._target_ids(logits[chosen].argmax(dim=-1), row_ids)
             masked[chosen] = False
         return committed
 
@@ -270,16 +284,22 @@ class DFlashDrafter(PositionwiseDrafter):
         """One pass over the block at positions ``start``...; ``context``: features of the positions
         just before ``start``, appended to the cache (None: attend the cache as it is). Its rows: the
         head's, then the sequence's own tokens'."""
+        hidden = self._block_hidden(state, block_ids, start, context)
+        return self._scored(hidden, self.lm_head(hidden.to(self.head_dtype)), state)
+
+    def _block_hidden(self, state: DFlashState, block_ids, start: int,
+                      context: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states [num_tokens, D] of the slots that predict, from one pass (as ``_block_logits``)."""
         context_positions = None if context is None else \
             position_ids(start - context.shape[1], context.shape[1], self.device)
         embeddings = self.model.embed_block(self.embed_tokens, block_ids).to(self.dtype)
         hidden = self.model(embeddings, position_ids(start, block_ids.shape[1], self.device),
-                            None if context is None else context.to(self.dtype), context_positions, state.cache)[0, 1:]
-        return self._scored(hidden, self.lm_head(hidden.to(self.head_dtype)), state)
+                            None if context is None else context.to(self.dtype), context_positions, state.cache)
+        return hidden[0, self.lead:]
 
     def _block_ids(self, last_tokens: list[int], num_tokens: int) -> torch.LongTensor:
-        """[B, 1 + num_tokens]: each row's last token, then MASK at every position to draft."""
-        block_ids = torch.full((len(last_tokens), num_tokens + 1), self.mask_token_id, dtype=torch.long,
+        """[B, slots]: each row's last token, then MASK up to the slot that predicts the last position to draft."""
+        block_ids = torch.full((len(last_tokens), num_tokens + self.lead), self.mask_token_id, dtype=torch.long,
                                device=self.device)
         block_ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long, device=self.device)
         return block_ids

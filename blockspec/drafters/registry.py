@@ -46,6 +46,8 @@ class DraftMethod:
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("dflash", "checkpoint", ("DFlashDraftModel", "DFlashSpeculator"), "blockspec.drafters.dflash:build",
                 "a DFlash checkpoint directory", label="DFlash"),
+    DraftMethod("dspark", "checkpoint", ("DSparkDraftModel", "Qwen3DSparkModel"), "blockspec.drafters.dspark:build",
+                "a DSpark checkpoint directory", label="DSpark"),
     DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3", "Eagle3Speculator"),
                 "blockspec.drafters.eagle3_mtp:build_eagle3",
                 "an EAGLE-3 checkpoint directory", label="EAGLE-3"),
@@ -68,8 +70,8 @@ DRAFT_METHODS = tuple(METHODS)
 CHECKPOINT_METHODS = tuple(name for name, m in METHODS.items() if m.draft == "checkpoint")
 #: Methods that take a ``--draft``.
 DRAFTED_METHODS = tuple(name for name, m in METHODS.items() if m.draft is not None)
-#: Methods that read a DFlash checkpoint (DFlash itself and the hybrids over it).
-DFLASH_METHODS = tuple(name for name, m in METHODS.items() if "dflash" in (name, m.draft_of))
+#: Methods that read a DFlash-family checkpoint (DFlash itself, the hybrids over it, DSpark's backbone).
+DFLASH_METHODS = tuple(name for name, m in METHODS.items() if "dflash" in (name, m.draft_of) or name == "dspark")
 
 #: The drafters shipped in the package (folders under ``blockspec/assets/``): by the known target
 #: they serve, then by method.
@@ -86,7 +88,10 @@ def detect_method(draft) -> str:
 
     if not Path(draft).is_dir() and str(draft) in hub.KNOWN_MODELS:
         return "draft"
-    architectures = read_config(draft).get("architectures") or []
+    config = read_config(draft)
+    if config.get("speculators_model_type") == "dspark":
+        return "dspark"
+    architectures = config.get("architectures") or []
     for method in METHODS.values():
         if any(name in architectures for name in method.architectures):
             return method.name

@@ -21,6 +21,7 @@ from blockspec.models.checkpoint import (
     require_weights,
 )
 from blockspec.models.dflash.config import SLIDING, has_reduced_vocabulary, target_width
+from blockspec.models.dflash.markov import dspark_settings
 from blockspec.models.dflash.modules import DFlashDraftModel
 
 #: A mask embedding shipped beside the weights (vLLM's name): it replaces the mask token's embedding row.
@@ -32,10 +33,19 @@ _UNUSABLE_WEIGHTS = {"embed_tokens.": "its own token embedding", "mask_hidden": 
 
 _VOCABULARY_WEIGHTS = {"lm_head.": "its own LM head", "d2t": "a draft vocabulary map", "t2d": "a draft vocabulary map"}
 
-#: speculators' DFlash settings blockspec cannot run, refused by name rather than ignored (the next drafter
-#: generation: DFlash2's convolutions and candidate selector, DSpark's anchor sampling, the extra residuals).
-SPECULATORS_UNSUPPORTED = ("sample_from_anchor", "dflash_context_residual", "dflash_block_position_embedding",
+#: speculators' DFlash settings blockspec cannot run, refused by name rather than ignored (DFlash2's convolutions
+#: and candidate selector, the extra residuals).
+SPECULATORS_UNSUPPORTED = ("dflash_context_residual", "dflash_block_position_embedding",
                            "dflash_gated_layer_fusion", "dflash2_dynamic_conv", "dflash2_candidate_selector")
+
+#: ``architectures`` of the DFlash-family layouts blockspec loads: DFlash's, and DSpark's (a DFlash backbone with
+#: a Markov head, DeepSpec's and SpecForge's names).
+DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+DSPARK_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+
+#: The settings of DSpark's heads and block convention, carried over from a speculators config.
+_DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "sample_from_anchor")
 
 
 def from_speculators_layout(raw: dict, directory) -> dict:
@@ -44,10 +54,11 @@ def from_speculators_layout(raw: dict, directory) -> dict:
     DFlash layout; any other config as it is. Its weights carry the same names."""
     kind = raw.get("speculators_model_type")
     if kind is None:
-        return raw
-    if kind != "dflash":
+        return _flat_aux_layers(raw, directory)
+    if kind not in ("dflash", "dspark"):
         raise CheckpointError(f"{directory}: speculators_model_type {kind!r} is not supported: blockspec runs "
-                              "speculators' 'dflash' drafts (and its own 'eagle3' layout through --method eagle3)")
+                              "speculators' 'dflash' and 'dspark' drafts (and its own 'eagle3' layout through "
+                              "--method eagle3)")
     on = [name for name in SPECULATORS_UNSUPPORTED if raw.get(name)]
     if on:
         raise CheckpointError(f"{directory}: {', '.join(on)} set in config.json, which blockspec does not run")
@@ -56,13 +67,32 @@ def from_speculators_layout(raw: dict, directory) -> dict:
     if not isinstance(layer, dict) or not aux or raw.get("mask_token_id") is None:
         raise CheckpointError(f"{directory}/config.json: a speculators DFlash draft needs transformer_layer_config, "
                               "aux_hidden_state_layer_ids and mask_token_id")
-    converted = {**layer, "architectures": ["DFlashDraftModel"], "draft_vocab_size": raw.get("draft_vocab_size"),
+    architecture = "DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"
+    converted = {**layer, "architectures": [architecture], "draft_vocab_size": raw.get("draft_vocab_size"),
                  # hidden-state indices (0: the embeddings) to the outputs of layers, as dflash_config counts them
                  "dflash_config": {"mask_token_id": raw["mask_token_id"], "block_size": raw.get("block_size", 8),
                                    "target_layer_ids": [int(i) - 1 for i in aux]}}
     if raw.get("target_hidden_size") is not None:
         converted["target_hidden_size"] = raw["target_hidden_size"]
+    converted.update({key: raw[key] for key in _DSPARK_KEYS if raw.get(key) is not None})
+    if kind == "dspark" and not raw.get("markov_rank"):
+        raise CheckpointError(f"{directory}/config.json: a speculators DSpark draft needs markov_rank >= 1")
     return converted
+
+
+def _flat_aux_layers(raw: dict, directory) -> dict:
+    """A flat config that names the layers it reads as hidden-state indices (``aux_hidden_state_layer_ids``,
+    1-based: 0 is the embeddings), as DSpark's DeepSpec configs may: the same layers as ``target_layer_ids``."""
+    aux = raw.get("aux_hidden_state_layer_ids")
+    if not aux:
+        return raw
+    nested = raw.get("dflash_config") or {}
+    layers = [int(i) - 1 for i in aux]
+    given = nested.get("target_layer_ids", raw.get("target_layer_ids"))
+    if given is not None and [int(i) for i in given] != layers:
+        raise CheckpointError(f"{directory}/config.json: aux_hidden_state_layer_ids {list(aux)} (1-based) and "
+                              f"target_layer_ids {list(given)} name different layers")
+    return {**raw, "dflash_config": {**nested, "target_layer_ids": layers}}
 
 
 def load_dflash_model(directory) -> DFlashDraftModel:
@@ -70,10 +100,10 @@ def load_dflash_model(directory) -> DFlashDraftModel:
     read = read_config(directory)
     raw = from_speculators_layout(read, directory)
     architectures = raw.get("architectures") or []
-    if "DFlashDraftModel" not in architectures:
+    if not set(architectures) & {*DFLASH_ARCHITECTURES, *DSPARK_ARCHITECTURES}:
         raise CheckpointError(
-            f"{directory} is not a DFlash draft: config.json architectures is {architectures}, "
-            "expected ['DFlashDraftModel']"
+            f"{directory} is not a DFlash or DSpark draft: config.json architectures is {architectures}, "
+            f"expected one of {[*DFLASH_ARCHITECTURES, *DSPARK_ARCHITECTURES]}"
         )
     require_keys(raw, ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"], directory)
     require_sizes(raw, directory)
@@ -85,6 +115,12 @@ def load_dflash_model(directory) -> DFlashDraftModel:
     _refuse_unsupported(raw, nested, directory)
     require_weights(directory)
     _refuse_unusable_weights(directory, compressed=has_reduced_vocabulary(raw))
+    try:
+        settings = dspark_settings(raw)
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory}/config.json: {error}") from None
+    if set(architectures) & set(DSPARK_ARCHITECTURES) and settings is None:
+        raise CheckpointError(f"{directory}/config.json: a DSpark draft needs its Markov head's markov_rank >= 1")
     model = load_pretrained_strict(DFlashDraftModel, directory, dtype=torch.float32,
                                    config=_draft_config(directory, raw, nested, from_file=raw is read))
     if model.compressed:
@@ -230,11 +266,14 @@ def check_fits_target(model: DFlashDraftModel, target_config, *, draft_name: str
 
 
 def save_dflash_model(model: DFlashDraftModel, directory) -> None:
-    """Save in the public layout, atomically (a mask embedding of its own beside the weights)."""
-    model.config.architectures = ["DFlashDraftModel"]
+    """Save in the public layout, atomically (a mask embedding of its own beside the weights): DSpark's name for a
+    drafter with a Markov head."""
+    architecture = DSPARK_ARCHITECTURES[0] if model.markov_head is not None else "DFlashDraftModel"
 
     def write(tmp):
         model.save_pretrained(tmp, safe_serialization=True)
+        config = Path(tmp) / "config.json"  # save_pretrained names the class; a DSpark draft goes by its own name
+        config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": [architecture]}, indent=2))
         if model.mask_embedding is not None:
             torch.save({"embedding": model.mask_embedding.detach().cpu(), "mask_token_id": int(model.mask_token_id)},
                        Path(tmp) / MASK_EMBEDDING_FILE)

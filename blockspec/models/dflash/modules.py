@@ -24,6 +24,7 @@ from blockspec.models.dflash.config import (
     select_target_layers,
     target_width,
 )
+from blockspec.models.dflash.markov import ConfidenceHead, MarkovHead, dspark_settings
 from blockspec.models.draft_vocab import DraftVocabulary, check_vocabulary
 
 
@@ -238,6 +239,18 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
         if draft_vocab_size(config) < config.vocab_size:
             self.lm_head = nn.Linear(config.hidden_size, self.register_draft_vocabulary(config, save_t2d=False),
                                      bias=False)
+        #: DSpark's heads (None: a plain DFlash drafter): the Markov head chains the block's positions through
+        #: the token before each, over the head's vocabulary; the confidence head scores each position's draft.
+        settings = dspark_settings(config)
+        self.markov_head = None if settings is None else \
+            MarkovHead(settings, draft_vocab_size(config), config.hidden_size)
+        self.confidence_head = ConfidenceHead(settings, config.hidden_size) \
+            if settings is not None and settings.confidence_head else None
+        #: Whether the anchor's slot predicts the next token (slot k predicts anchor + k + 1: a block of B slots
+        #: drafts B tokens, DSpark's and Domino's convention), or each masked slot predicts its own position
+        #: (slot k predicts anchor + k: B slots draft B - 1, DFlash's).
+        #: DSpark's default is the first, DFlash's the second.
+        self.anchor_predicts = bool(dflash_setting(config, "sample_from_anchor", settings is not None))
         self.post_init()
 
     @property
@@ -245,12 +258,20 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
         """Whether it drafts over a reduced vocabulary of its own."""
         return self.lm_head is not None
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The tokens one block drafts at most."""
+        return self.block_size if self.anchor_predicts else self.block_size - 1
+
     def compress_vocabulary(self, target_ids, target_head_weight: torch.Tensor) -> None:
         """Draft over these target ids only: ``lm_head`` becomes their rows of the target's head (frozen
         copies), and ``draft_vocab_size`` / ``d2t`` are set for saving."""
         if self.compressed:
             raise IncompatibleDraftError(f"the draft already drafts over its own {self.lm_head.out_features}-token "
                                          "vocabulary: drop the draft vocabulary option")
+        if self.markov_head is not None:
+            raise IncompatibleDraftError("a DSpark draft's Markov head is trained over its own vocabulary: drop the "
+                                         "draft vocabulary option")
         ids = check_vocabulary(target_ids, self.config.vocab_size)
         if ids.numel() >= self.config.vocab_size:
             return  # the whole vocabulary: the target's head as it is

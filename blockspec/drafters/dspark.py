@@ -1,0 +1,193 @@
+"""DSpark behind the drafter protocol: one DFlash backbone pass, then the Markov head drafts the block left to right.
+
+Each position's logits are the backbone's plus the Markov head's bias from the token before it (the anchor
+for the first position, then the token drafted before), so a chain is sampled position by position from the
+distribution that position really has given the drafts before it: the q the verifier's rejection rule uses.
+A token tree grows by the same rule: a node's children are scored given that node. The confidence head
+(where the draft ships one) is the greedy chain's confidence that the adaptive width calibrates.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from blockspec.drafters.base import Proposal
+from blockspec.drafters.dflash import DFlashDrafter, DFlashState, _block_start
+from blockspec.drafters.tree import Tree
+from blockspec.errors import BlockspecError
+from blockspec.models.dflash.checkpoint import load_dflash_model
+from blockspec.models.dflash.modules import DFlashDraftModel
+from blockspec.sampling import sample_from, sampling_probs
+
+
+class DSparkDrafter(DFlashDrafter):
+    """A DFlash drafter whose block positions are chained by a Markov head (and scored by a confidence head)."""
+
+    name = "dspark"
+    chains_positions = True
+
+    def __init__(self, model: DFlashDraftModel, target_model, **options):
+        if model.markov_head is None:
+            raise BlockspecError("this draft has no Markov head (markov_rank is 0): run it as a DFlash drafter "
+                                 "(--method dflash)")
+        if options.get("denoise_steps", 1) != 1:
+            raise BlockspecError("denoise_steps is for DFlash drafters: a DSpark draft chains its block's positions "
+                                 "through its Markov head in one pass")
+        super().__init__(model, target_model, **options)
+        self.markov_head = self.model.markov_head
+        self.confidence_head = self.model.confidence_head
+        #: The Markov head's id of each target token (-1: outside the draft vocabulary it was trained over).
+        vocabulary = self.markov_head.markov_w1.num_embeddings
+        if self.draft_to_target is None:
+            self.markov_ids = torch.arange(self.vocab_size, device=self.device)
+        else:
+            self.markov_ids = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)
+            self.markov_ids[self.draft_to_target] = torch.arange(vocabulary, device=self.device)
+
+    # -- one pass of the backbone ---------------------------------------------------------------------
+
+    def _backbone(self, state: DFlashState, last_token: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's hidden states [n, D] and the backbone's logits [n, K'] over the head's rows (the sequence's own
+        tokens after them)."""
+        pending, start = state.pending, _block_start(state)
+        hidden = self._block_hidden(state, self._block_ids([last_token], num_tokens), start, pending)
+        state.pending = None
+        return hidden, self._scored(hidden, self.lm_head(hidden.to(self.head_dtype)), state)
+
+    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, markov_state):
+        """Logits [N, K'] of one position for rows whose previous tokens are ``previous`` [N] (target ids), the
+        Markov head's next state and the previous tokens' Markov embeddings."""
+        bias, markov_state, embedded = self.markov_head.step(self.markov_ids[previous], hidden, markov_state)
+        biased = logits.clone()
+        biased[:, :bias.shape[-1]] += bias.float()
+        return biased, markov_state, embedded
+
+    # -- a chain ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, state: DFlashState, last_token, num_tokens, sampling, generator) -> Proposal:
+        if num_tokens == 0:
+            return Proposal.empty(self.device)
+        hidden, base = self._backbone(state, int(last_token), num_tokens)
+        row_ids = self.row_ids(state)
+        sampled = not sampling.greedy and self.sample_drafts
+        tokens, probs, confidences = self._chain(hidden, base, int(last_token), row_ids,
+                                                 sampling if sampled else None, generator)
+        if not sampled:
+            return Proposal(tokens, confidence=confidences)
+        # a sampled draft's confidence must not depend on its draws: the backbone's own peak at each position
+        return Proposal(tokens, self._target_probs(probs, row_ids),
+                        confidence=torch.softmax(base, dim=-1).amax(dim=-1))
+
+    def _chain(self, hidden, base, last_token: int, row_ids, sampling, generator):
+        """Draft the positions one after another: (target ids [n], q [n, K'] or None, confidences [n])."""
+        previous = torch.tensor([last_token], device=self.device)
+        markov_state = self.markov_head.initial_state(1, hidden)
+        tokens, probs, confidences = [], [], []
+        for position in range(base.shape[0]):
+            logits, markov_state, embedded = self._step(base[position:position + 1], previous,
+                                                        hidden[position:position + 1], markov_state)
+            if sampling is None:
+                row = logits.argmax(dim=-1)
+                confidences.append(self._confidence(logits, row, hidden[position:position + 1], embedded))
+            else:
+                q = sampling_probs(logits, sampling)
+                row = sample_from(q, generator)
+                probs.append(q)
+            previous = self._target_ids(row, row_ids)
+            tokens.append(previous)
+        confidence = torch.cat(confidences) if confidences else None
+        return torch.cat(tokens), torch.cat(probs) if probs else None, confidence
+
+    def _confidence(self, logits, row, hidden, embedded) -> torch.Tensor:
+        """The chance the draft is accepted: the confidence head's where the draft ships one, else its probability."""
+        if self.confidence_head is not None:
+            return self.confidence_head(hidden, embedded)
+        return torch.softmax(logits, dim=-1).gather(-1, row.unsqueeze(-1)).squeeze(-1)
+
+    @torch.inference_mode()
+    def row_logits(self, state: DFlashState, last_token: int, num_tokens: int):
+        """Logits [n, K'] of the greedy chain's positions, each given the drafts before it."""
+        hidden, base = self._backbone(state, int(last_token), num_tokens)
+        row_ids = self.row_ids(state)
+        previous = torch.tensor([int(last_token)], device=self.device)
+        markov_state = self.markov_head.initial_state(1, hidden)
+        rows = []
+        for position in range(num_tokens):
+            logits, markov_state, _ = self._step(base[position:position + 1], previous,
+                                                 hidden[position:position + 1], markov_state)
+            rows.append(logits)
+            previous = self._target_ids(logits.argmax(dim=-1), row_ids)
+        return torch.cat(rows), row_ids
+
+    @torch.inference_mode()
+    def draft_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
+        logits, row_ids = self.row_logits(state, last_token, num_tokens)
+        if row_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, row_ids, logits)
+
+    def rows_logits(self, states, last_tokens, num_tokens):
+        return [self.row_logits(state, token, num_tokens) for state, token in zip(states, last_tokens)]
+
+    # -- a tree -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft_tree(self, state: DFlashState, last_token: int, depth: int, budget: int,
+                   top_k: int) -> tuple[Tree, list[float]]:
+        hidden, base = self._backbone(state, int(last_token), depth)
+        return self._tree(hidden, base, int(last_token), self.row_ids(state), budget, top_k)
+
+    @torch.inference_mode()
+    def draft_trees(self, states, last_tokens, depth: int, budget: int, top_k: int):
+        if len(states) == 1 or not self.model.attends_rows_alike:
+            return super().draft_trees(states, last_tokens, depth, budget, top_k)
+        hidden = self.rows_hidden(states, last_tokens, depth)
+        heads = self.lm_head(hidden.reshape(-1, hidden.shape[-1]).to(self.head_dtype)).view(len(states), depth, -1)
+        return [self._tree(hidden[row], self._scored(hidden[row], heads[row], state), int(token),
+                           self.row_ids(state), budget, top_k)
+                for row, (state, token) in enumerate(zip(states, last_tokens))]
+
+    def _tree(self, hidden, base, last_token: int, row_ids, budget: int, top_k: int) -> tuple[Tree, list[float]]:
+        """The ``budget`` nodes of highest joint probability, each node's children scored given that node."""
+        if budget < 1:
+            raise BlockspecError(f"tree budget must be >= 1, got {budget}")
+        depth = base.shape[0]
+        tokens, parents, depths, confidences = [], [], [], []
+        frontier, counter = [], 0
+
+        def expand(node: int, token: int, level: int, path_probability: float, markov_state):
+            """Score the children of ``node`` (a target token at depth ``level``) and put them in the frontier."""
+            nonlocal counter
+            logits, child_state, _ = self._step(base[level:level + 1], torch.tensor([token], device=self.device),
+                                                hidden[level:level + 1], markov_state)
+            probs = torch.softmax(logits[0], dim=-1)
+            top = torch.topk(probs, min(top_k, probs.shape[-1]))
+            for probability, row in zip(top.values.tolist(), top.indices.tolist()):
+                counter += 1
+                heapq.heappush(frontier, (-path_probability * probability, counter, node, level, row, probability,
+                                          child_state))
+
+        expand(-1, last_token, 0, 1.0, self.markov_head.initial_state(1, hidden))
+        while frontier and len(tokens) < budget:
+            negative, _, parent, level, row, probability, markov_state = heapq.heappop(frontier)
+            token = int(self._target_ids(torch.tensor([row], device=self.device), row_ids)[0])
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(level + 1)
+            confidences.append(probability)
+            if level + 1 < depth:
+                expand(len(tokens) - 1, token, level + 1, -negative, markov_state)
+        return Tree(tokens, parents, depths), confidences
+
+
+def build(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,
+          sequence_tokens: bool = True, denoise_steps: int = 1) -> DSparkDrafter:
+    """A DSpark drafter for ``target`` (a ``Target``) from its checkpoint directory (DeepSpec's, SpecForge's or
+    vLLM speculators' layout)."""
+    return DSparkDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
+                         denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary,
+                         sequence_tokens=sequence_tokens, draft_dtype="auto" if packed else None)

@@ -1,0 +1,228 @@
+"""DSpark drafts: a DFlash backbone whose block positions a Markov head chains (and a confidence head scores).
+
+Greedy output equals plain decoding for every head kind and both block conventions, as a chain, a tree and a
+batch; sampled output follows the target's distribution exactly (the verifier uses the q each position was
+really sampled from); DeepSpec's, SpecForge's and vLLM speculators' layouts load and draft alike.
+"""
+
+import json
+
+import pytest
+import torch
+
+from blockspec.decoding.batch import batch_generate
+from blockspec.decoding.sequence import GenerationConfig
+from blockspec.drafters.dspark import DSparkDrafter
+from blockspec.drafters.registry import detect_method
+from blockspec.errors import BlockspecError, CheckpointError
+from blockspec.models.dflash.checkpoint import load_dflash_model, save_dflash_model
+from blockspec.sampling import SamplingConfig, sampling_probs
+from helpers import (
+    PASS,
+    SAMPLES,
+    chi_square_pvalue,
+    decode,
+    exact_joint,
+    make_causal_lm,
+    make_dspark,
+    prompts,
+    sampled_joint,
+    small_target,
+)
+
+NEW_TOKENS = 24
+KINDS = ["vanilla", "gated", "rnn"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_causal_lm("qwen3", vocab_size=320).double()
+
+
+def greedy(target, ids, drafter=None, **options):
+    return decode(target, ids, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS, **options)).token_ids
+
+
+@pytest.mark.parametrize("anchor", [True, False], ids=["anchor-predicts", "masks-predict"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_chains_trees_and_batches_equal_plain_decoding(target, kind, anchor):
+    drafter = DSparkDrafter(make_dspark(target, kind=kind, anchor=anchor).double(), target)
+    assert drafter.max_draft_tokens == (6 if anchor else 5)
+    cases = prompts(320, count=4, seed=5)
+    expected = [greedy(target, ids) for ids in cases]
+    for ids, reference in zip(cases, expected):
+        assert greedy(target, ids, drafter, block_size=drafter.max_draft_tokens + 1) == reference
+        assert greedy(target, ids, drafter, tree_budget=8, tree_top_k=3) == reference
+    for config in (GenerationConfig(max_new_tokens=NEW_TOKENS, block_size=4),
+                   GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=6, tree_top_k=2)):
+        rows = batch_generate(target, cases, drafter, config, max_batch_size=4)
+        assert [row.token_ids for row in rows] == expected
+
+
+def test_a_dflash_draft_whose_anchor_slot_predicts_decodes_losslessly(target):
+    """sample_from_anchor without a Markov head: a DFlash block of B slots drafting B tokens."""
+    from blockspec.drafters.dflash import DFlashDrafter
+    from helpers import make_dflash
+
+    model = make_dflash(target, block_size=6).double()
+    model.anchor_predicts = True
+    drafter = DFlashDrafter(model, target)
+    assert drafter.max_draft_tokens == 6
+    for ids in prompts(320, count=3, seed=8):
+        assert greedy(target, ids, drafter, block_size=7) == greedy(target, ids)
+        assert greedy(target, ids, drafter, tree_budget=8) == greedy(target, ids)
+
+
+def test_the_markov_head_changes_the_drafts(target):
+    """Without its bias the same backbone drafts other tokens: the head is really used."""
+    model = make_dspark(target).double()
+    drafter = DSparkDrafter(model, target)
+    ids = prompts(320, count=1, seed=9)[0]
+    with_head = drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 7, 5, SamplingConfig(), None)
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.zero_()
+    without = drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 7, 5, SamplingConfig(), None)
+    assert with_head.tokens.tolist() != without.tokens.tolist()
+
+
+def test_the_greedy_chain_is_the_top_path_of_a_tree(target):
+    drafter = DSparkDrafter(make_dspark(target, kind="rnn").double(), target)
+    ids = prompts(320, count=1, seed=3)[0]
+    chain = drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 11, 5, SamplingConfig(), None)
+    tree, confidences = drafter.draft_tree(drafter.start(ids, _features(target, drafter, ids)), 11, 5, 5, 1)
+    assert tree.tokens == chain.tokens.tolist() and tree.parents == [-1, 0, 1, 2, 3]
+    assert all(0 < c <= 1 for c in confidences)
+
+
+def _features(target, drafter, ids):
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in drafter.feature_layers], dim=-1)
+
+
+# -- sampling ----------------------------------------------------------------------------------------
+
+class IgnoresItsMarkovBias(DSparkDrafter):
+    """Broken on purpose: drafts with the Markov head but tells the verifier q without it."""
+
+    def propose(self, state, last_token, num_tokens, sampling, generator):
+        proposal = super().propose(state, last_token, num_tokens, sampling, generator)
+        if proposal.probs is not None:
+            proposal.probs = sampling_probs(self.last_base, sampling)
+        return proposal
+
+    def _backbone(self, state, last_token, num_tokens):
+        hidden, base = super()._backbone(state, last_token, num_tokens)
+        self.last_base = base
+        return hidden, base
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "rnn"])
+def test_sampled_output_follows_the_target_exactly(kind):
+    target = small_target()
+    drafter = DSparkDrafter(make_dspark(target, kind=kind, block_size=3, mask_token_id=7), target)
+    sampling = SamplingConfig(temperature=1.0)
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=4)
+    assert chi_square_pvalue(counts, exact_joint(target, sampling), SAMPLES) > PASS
+
+
+def test_a_verifier_told_the_wrong_q_is_caught():
+    """The test above can fail: q without the Markov bias (what the draws did not come from) skews the output."""
+    target = small_target()
+    drafter = IgnoresItsMarkovBias(make_dspark(target, block_size=3, mask_token_id=7), target)
+    sampling = SamplingConfig(temperature=1.0)
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=4)
+    assert chi_square_pvalue(counts, exact_joint(target, sampling), SAMPLES) < PASS / 100
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------
+
+def drafted(target, model, ids):
+    drafter = DSparkDrafter(model.double(), target)
+    return drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 5, 6, SamplingConfig(), None)
+
+
+def as_speculators(ours, directory):
+    """Our saved DSpark draft rewritten as speculators' trainer writes one (layer config nested, 1-based layers)."""
+    config = json.loads((ours / "config.json").read_text())
+    nested = config.pop("dflash_config")
+    directory.mkdir()
+    for file in ours.iterdir():
+        if file.name != "config.json":
+            (directory / file.name).write_bytes(file.read_bytes())
+    speculators = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+                   "transformer_layer_config": {k: v for k, v in config.items() if k not in (
+                       "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                       "sample_from_anchor", "architectures")},
+                   "aux_hidden_state_layer_ids": [i + 1 for i in nested["target_layer_ids"]],
+                   "block_size": nested["block_size"], "mask_token_id": nested["mask_token_id"],
+                   **{k: config[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                             "confidence_head_with_markov", "sample_from_anchor")}}
+    (directory / "config.json").write_text(json.dumps(speculators))
+    return directory
+
+
+def as_flat_deepspec(ours, directory):
+    """DeepSpec's flat layout: DSpark's architecture name, the read layers as 1-based hidden-state indices."""
+    config = json.loads((ours / "config.json").read_text())
+    nested = config.pop("dflash_config")
+    directory.mkdir()
+    for file in ours.iterdir():
+        if file.name != "config.json":
+            (directory / file.name).write_bytes(file.read_bytes())
+    config.update(architectures=["Qwen3DSparkModel"], block_size=nested["block_size"],
+                  mask_token_id=nested["mask_token_id"],
+                  aux_hidden_state_layer_ids=[i + 1 for i in nested["target_layer_ids"]])
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_layout_loads_and_drafts_as_the_saved_model(target, tmp_path, kind):
+    model = make_dspark(target, kind=kind).float()
+    save_dflash_model(model, tmp_path / "ours")
+    ids = prompts(320, count=1, seed=2)[0]
+    expected = drafted(target, make_dspark(target, kind=kind), ids)
+    for directory in (tmp_path / "ours", as_speculators(tmp_path / "ours", tmp_path / "speculators"),
+                      as_flat_deepspec(tmp_path / "ours", tmp_path / "flat")):
+        assert detect_method(directory) == "dspark"
+        loaded = load_dflash_model(directory)
+        assert loaded.markov_head.kind == kind and loaded.confidence_head is not None and loaded.anchor_predicts
+        got = drafted(target, loaded, ids)
+        assert got.tokens.tolist() == expected.tokens.tolist()
+        assert torch.allclose(got.confidence, expected.confidence, atol=1e-5)
+
+
+def _edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"markov_head_type": "lstm"}, "markov_head_type 'lstm' is not one blockspec runs"),
+    ({"markov_rank": -2}, "markov_rank must be a whole number >= 0"),
+    ({"markov_rank": 0}, "a DSpark draft needs its Markov head's markov_rank >= 1"),
+    ({"aux_hidden_state_layer_ids": [9]}, "name different layers"),
+])
+def test_a_dspark_config_blockspec_cannot_honour_is_refused_by_name(target, tmp_path, changes, message):
+    save_dflash_model(make_dspark(target, confidence=False).float(), tmp_path / "draft")
+    _edit_config(tmp_path / "draft", **changes)
+    with pytest.raises(CheckpointError, match=message):
+        load_dflash_model(tmp_path / "draft")
+
+
+def test_a_missing_confidence_head_is_refused_not_initialised(target, tmp_path):
+    save_dflash_model(make_dspark(target, confidence=False).float(), tmp_path / "draft")
+    _edit_config(tmp_path / "draft", enable_confidence_head=True)
+    with pytest.raises(CheckpointError, match="confidence_head"):
+        load_dflash_model(tmp_path / "draft")
+
+
+def test_a_dspark_draft_is_not_run_as_plain_dflash(target):
+    from blockspec.drafters.dflash import DFlashDrafter
+
+    with pytest.raises(BlockspecError, match="--method dspark"):
+        DFlashDrafter(make_dspark(target).double(), target)
+    with pytest.raises(BlockspecError, match="denoise_steps is for DFlash drafters"):
+        DSparkDrafter(make_dspark(target).double(), target, denoise_steps=2)
