@@ -173,3 +173,57 @@ def test_the_draft_lm_loss_scores_only_supervised_positions_exactly(arch, tmp_pa
     logits = draft(input_ids=ids, attention_mask=attention).logits[:, :-1]
     expected = F.cross_entropy(logits[mask[:, 1:]].float(), ids[:, 1:][mask[:, 1:]])
     torch.testing.assert_close(loss, expected)
+
+
+def test_dspark_heads_learn_on_a_frozen_dflash_backbone(learned_target, training_data, tmp_path):
+    """train-draft --method dspark --init-from DFLASH --freeze-backbone: the heads learn, the backbone stays the
+    DFlash drafter's weight for weight, and the DSpark drafter it writes is lossless."""
+    from blockspec.models.dflash.checkpoint import load_dflash_model
+
+    target, _, _ = learned_target
+    samples, eval_prompts = training_data
+    Trainer(small_config(tmp_path / "dflash", method="dflash", max_steps=60, anchors_per_sequence=12), target,
+            samples).run()
+    backbone = load_dflash_model(tmp_path / "dflash" / "draft").state_dict()
+    config = small_config(tmp_path / "dspark", method="dspark", init_from=str(tmp_path / "dflash" / "draft"),
+                          freeze_backbone=True, markov_rank=16, max_steps=40, anchors_per_sequence=12)
+    trainer = Trainer(config, target, samples, eval_prompts)
+    initial_head = trainer.model.markov_head.markov_w2.weight.detach().clone()
+    state = trainer.run()
+    assert sum(state.losses[-5:]) / 5 < 0.9 * sum(state.losses[:5]) / 5
+    assert detect_method(tmp_path / "dspark" / "draft") == "dspark"
+    saved = load_dflash_model(tmp_path / "dspark" / "draft")
+    weights = saved.state_dict()
+    assert all(torch.equal(weights[name], value) for name, value in backbone.items())
+    assert not torch.equal(weights["markov_head.markov_w2.weight"], initial_head)
+    assert saved.confidence_head is not None and not saved.anchor_predicts
+    reference = Target(copy.deepcopy(target.model).double(), target.tokenizer, "learned-fp64")
+    drafter = build_drafter("dspark", reference, str(tmp_path / "dspark" / "draft"))
+    for ids in eval_prompts:
+        plain = speculative_generate(reference.model, ids, None, GenerationConfig(max_new_tokens=24))
+        list(plain)
+        for options in ({"block_size": 8}, {"tree_budget": 8}):
+            stream = speculative_generate(reference.model, ids, drafter, GenerationConfig(max_new_tokens=24, **options))
+            list(stream)
+            assert stream.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"method": "dflash", "markov_rank": 8}, "--markov-rank is a dspark switch"),
+    ({"method": "dflash", "freeze_backbone": True}, "--freeze-backbone is a dspark switch"),
+    ({"method": "dspark", "markov_rank": 0}, "markov_rank must be >= 1"),
+])
+def test_dspark_switches_are_refused_where_they_mean_nothing(tmp_path, overrides, message):
+    from blockspec.errors import BlockspecError
+
+    with pytest.raises(BlockspecError, match=message):
+        small_config(tmp_path, **overrides)
+
+
+def test_a_frozen_backbone_needs_one_to_start_from(learned_target, training_data, tmp_path):
+    from blockspec.errors import BlockspecError
+
+    target, _, _ = learned_target
+    samples, _ = training_data
+    with pytest.raises(BlockspecError, match="--freeze-backbone trains the heads on a trained backbone"):
+        Trainer(small_config(tmp_path, method="dspark", freeze_backbone=True), target, samples)

@@ -54,6 +54,14 @@ def add_train_draft_command(commands) -> None:
                        help="draft vocabulary: the most frequent response tokens (and the stop tokens), the rows of "
                             "the LM head the drafter scores (eagle3/mtp default 4096; dflash default: the whole "
                             "vocabulary; e.g. 8192 makes a dflash pass and step cheaper)")
+    draft.add_argument("--markov-rank", type=int, default=None, metavar="R",
+                       help="dspark: rank of the Markov head's bias (default 64)")
+    draft.add_argument("--markov-head", dest="markov_head_type", choices=("vanilla", "gated"), default=None,
+                       help="dspark: the Markov head's kind (default vanilla)")
+    draft.add_argument("--no-confidence-head", dest="confidence_head", action="store_false",
+                       help="dspark: train no confidence head")
+    draft.add_argument("--freeze-backbone", action="store_true",
+                       help="dspark: train only the heads, on the backbone of --init-from (a DFlash drafter)")
     recipe = parser.add_argument_group("recipe (ablation switches)")
     recipe.add_argument("--fixed-blocks", dest="random_anchors", action="store_false",
                         help="consecutive blocks instead of random anchors")

@@ -14,9 +14,12 @@ calls one ``TrainingMethod``:
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from blockspec.errors import BlockspecError
 from blockspec.training.vocab_loss import head_cross_entropy, linear_soft_cross_entropy
 
-TRAINABLE_METHODS = ("dflash", "eagle3", "mtp", "draft")
+TRAINABLE_METHODS = ("dflash", "dspark", "eagle3", "mtp", "draft")
 #: Loss weight of unrolled step k is decay**k (EAGLE-3 uses 0.8; FastMTP decays faster).
 DEFAULT_STEP_DECAY = {"eagle3": 0.8, "mtp": 0.6}
 #: EAGLE-3 / MTP draft vocabulary when none is given (the most frequent response tokens); DFlash's is the
@@ -68,8 +71,8 @@ class TrainingMethod(Protocol):
 
 
 def training_method(name: str) -> TrainingMethod:
-    methods = {"dflash": DFlashTraining, "eagle3": RecursiveTraining, "mtp": RecursiveTraining,
-               "draft": DraftModelTraining}
+    methods = {"dflash": DFlashTraining, "dspark": DSparkTraining, "eagle3": RecursiveTraining,
+               "mtp": RecursiveTraining, "draft": DraftModelTraining}
     if name not in methods:
         raise BlockspecError(f"cannot train method {name!r}: choose one of {', '.join(TRAINABLE_METHODS)} "
                              "(ngram needs no training)")
@@ -176,6 +179,91 @@ class DFlashTraining:
     def write(self, model, directory, target):
         model.config.architectures = ["DFlashDraftModel"]
         model.save_pretrained(directory, safe_serialization=True)
+
+
+#: Markov head rank when --markov-rank is not given.
+DEFAULT_MARKOV_RANK = 64
+#: Weight of the confidence head's loss (binary cross-entropy on whether each position's argmax is its label).
+CONFIDENCE_LOSS_WEIGHT = 0.1
+
+
+class DSparkTraining(DFlashTraining):
+    """DSpark: DFlash's blocks and loss, the logits of each position biased by the Markov head given the true token
+    before it (teacher forcing), and a confidence head learning whether each position's argmax is its label. The
+    backbone trains with the heads, or stays frozen (--init-from a DFlash drafter, --freeze-backbone) as the
+    public recipes allow: then it runs without gradients and only the heads learn. Blocks follow DFlash's
+    convention (each masked slot predicts its own position: sample_from_anchor false), so a DFlash drafter's
+    backbone carries over unchanged."""
+
+    def build(self, config, target, samples):
+        from blockspec.models.dflash.markov import DSparkSettings
+
+        if config.soft_labels:
+            raise BlockspecError("--soft-labels is a dflash switch: dspark learns the target's tokens")
+        if config.markov_head_type == "rnn":
+            raise BlockspecError("--markov-head rnn is run but not trained by blockspec: train vanilla or gated")
+        if config.freeze_backbone and not config.init_from:
+            raise BlockspecError("--freeze-backbone trains the heads on a trained backbone: add --init-from DIR (a "
+                                 "DFlash or DSpark drafter)")
+        model = super().build(config, target, samples)
+        model.add_dspark_heads(DSparkSettings(config.markov_rank or DEFAULT_MARKOV_RANK,
+                                              config.markov_head_type or "vanilla", config.confidence_head))
+        if config.freeze_backbone:
+            for name, parameter in model.named_parameters():
+                parameter.requires_grad_(name.startswith(("markov_head.", "confidence_head.")))
+        return model
+
+    def complete_weights(self, model, weights: dict) -> dict:
+        """--init-from a DFlash drafter: its backbone, and this run's fresh heads."""
+        fresh = {key: value for key, value in model.state_dict().items()
+                 if key.startswith(("markov_head.", "confidence_head.")) and key not in weights}
+        return {**weights, **fresh}
+
+    def loss(self, forward, model, batch, target, config, generator):
+        from blockspec.training.anchors import build_blocks
+
+        blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=config.block_size,
+                              num_anchors=config.anchors_per_sequence, mask_token_id=model.mask_token_id,
+                              gamma=config.loss_gamma, generator=generator, random_anchors=config.random_anchors)
+        device = target.model.device
+        with torch.no_grad():
+            block_embeddings = target.model.get_input_embeddings()(blocks.block_ids.to(device))
+        with torch.no_grad() if config.freeze_backbone else nullcontext():
+            hidden = forward(block_embeddings, blocks.block_positions.to(device), batch.features.to(device),
+                             blocks.context_positions.to(device), attention_mask=blocks.attention_mask.to(device))
+        supervised = (blocks.weights > 0).to(device)
+        labels, weights = blocks.labels.to(device)[supervised], blocks.weights.to(device)[supervised]
+        # the token before each slot is the label of the slot before it (the anchor's token for the first)
+        previous = blocks.labels.to(device).roll(1, dims=1)[supervised]
+        hidden = hidden[supervised]
+        head = model.lm_head if model.compressed else target.model.get_output_embeddings()
+        if model.compressed:  # rows of the draft vocabulary; a label outside them cannot be drafted: weight 0
+            to_rows = model.target_to_draft.to(device)
+            labels, previous = to_rows[labels], to_rows[previous]
+            weights = weights * (labels >= 0)
+            labels = labels.clamp_min(0)
+        bias, _, embedded = model.markov_head.step(previous, hidden, None)
+        logits = head(hidden).float() + bias.float()
+        losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        hits = (logits.detach().argmax(dim=-1) == labels) & (weights > 0)
+        loss, accuracy = block_loss(losses, hits, weights)
+        if model.confidence_head is not None:
+            confidence = model.confidence_head(hidden.detach(), embedded.detach())
+            loss = loss + CONFIDENCE_LOSS_WEIGHT * torch.nn.functional.binary_cross_entropy(confidence, hits.float())
+        return loss, accuracy
+
+    def drafter(self, model, target):
+        from blockspec.drafters.dspark import DSparkDrafter
+
+        return DSparkDrafter(copy.deepcopy(model), target.model)
+
+    def write(self, model, directory, target):
+        from blockspec.models.dflash.checkpoint import DSPARK_ARCHITECTURES
+
+        model.save_pretrained(directory, safe_serialization=True)
+        config = Path(directory) / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": [DSPARK_ARCHITECTURES[0]]},
+                                     indent=2))
 
 
 def block_loss(losses: torch.Tensor, hits: torch.BoolTensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -74,6 +74,12 @@ class TrainConfig:
     gamma: float | None = None
     #: dflash: learn the target's whole next-token distribution at each block position, not only its token
     soft_labels: bool = False
+    # dspark: the Markov head's rank (None: 64) and kind (None: vanilla), the confidence head, and whether the
+    # backbone (from --init-from) stays frozen while the heads learn
+    markov_rank: int | None = None
+    markov_head_type: str | None = None
+    confidence_head: bool = True
+    freeze_backbone: bool = False
     anchors_per_sequence: int = 32
     max_length: int = 1024
     # optimisation
@@ -121,6 +127,16 @@ class TrainConfig:
                                  "--feature-cache and --no-feature-cache")
         if self.soft_labels and self.method != "dflash":
             raise BlockspecError(f"--soft-labels is a dflash switch; method {self.method!r} does not take it")
+        dspark_only = {"--markov-rank": self.markov_rank is not None,
+                       "--markov-head": self.markov_head_type is not None,
+                       "--no-confidence-head": not self.confidence_head, "--freeze-backbone": self.freeze_backbone}
+        given = [flag for flag, set_ in dspark_only.items() if set_]
+        if given and self.method != "dspark":
+            raise BlockspecError(f"{given[0]} is a dspark switch; method {self.method!r} does not take it")
+        if self.markov_rank is not None and self.markov_rank < 1:
+            raise BlockspecError(f"markov_rank must be >= 1, got {self.markov_rank}")
+        if self.markov_head_type not in (None, "vanilla", "gated", "rnn"):
+            raise BlockspecError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
         if self.grow_layers and self.method != "dflash":
             raise BlockspecError(f"--grow-layers is a dflash switch; method {self.method!r} does not take it")
         if self.grow_layers and not self.init_from:
@@ -294,6 +310,8 @@ class Trainer(TrainingLoop):
             raise BlockspecError(f"--init-from {directory}: no such directory (give a drafter saved by train-draft)")
         loaded = self.method.load(directory)
         weights = loaded.state_dict()
+        if hasattr(self.method, "complete_weights"):  # a drafter of fewer heads starts this one
+            weights = self.method.complete_weights(self.model, weights)
         if getattr(self.model, "compressed", False) and not getattr(loaded, "compressed", False):
             # a whole-vocabulary drafter starts a reduced-vocabulary one: the head rows are this run's
             weights.update({key: value for key, value in self.model.state_dict().items()

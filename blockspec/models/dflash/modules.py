@@ -24,7 +24,7 @@ from blockspec.models.dflash.config import (
     select_target_layers,
     target_width,
 )
-from blockspec.models.dflash.markov import ConfidenceHead, MarkovHead, dspark_settings
+from blockspec.models.dflash.markov import ConfidenceHead, DSparkSettings, MarkovHead, dspark_settings
 from blockspec.models.draft_vocab import DraftVocabulary, check_vocabulary
 
 
@@ -284,6 +284,23 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
         self.lm_head.requires_grad_(False)
         device = next(self.layers.parameters()).device
         self.to(device)
+
+    def add_dspark_heads(self, settings: DSparkSettings) -> None:
+        """Give this drafter DSpark's heads, over the vocabulary its head scores, and write them into its config. The
+        Markov head's output starts at zero, so the drafter starts as the DFlash drafter it was."""
+        if self.markov_head is not None:
+            raise IncompatibleDraftError("the draft already has a Markov head")
+        self.config.markov_rank, self.config.markov_head_type = settings.markov_rank, settings.markov_head_type
+        self.config.enable_confidence_head = settings.confidence_head
+        self.config.confidence_head_with_markov = settings.confidence_with_markov
+        self.config.sample_from_anchor = self.anchor_predicts
+        parameter = next(self.layers.parameters())
+        self.markov_head = MarkovHead(settings, draft_vocab_size(self.config), self.config.hidden_size)
+        torch.nn.init.zeros_(self.markov_head.markov_w2.weight)
+        self.markov_head.to(parameter.device, parameter.dtype)
+        if settings.confidence_head:
+            self.confidence_head = ConfidenceHead(settings, self.config.hidden_size).to(parameter.device,
+                                                                                       parameter.dtype)
 
     def new_cache(self) -> ContextCache:
         return ContextCache(len(self.layers))
