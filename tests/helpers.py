@@ -158,6 +158,22 @@ def make_dspark(target, *, kind="vanilla", rank=8, confidence=True, anchor=True,
     return model.to(next(target.parameters()).dtype).eval()
 
 
+def make_domino(target, *, anchor=False, prefix=0, gru=16, emb=12, num_layers=2, block_size=6, mask_token_id=3,
+                seed=1) -> DFlashDraftModel:
+    """A randomly initialised Domino draft (SpecForge's layout): the DFlash backbone and the GRU correction head,
+    scaled up so that the correction really changes what each position drafts."""
+    torch.manual_seed(seed)
+    config = make_dflash_config(target.config, num_layers=num_layers, block_size=block_size,
+                                mask_token_id=mask_token_id)
+    config.dflash_config.update(projector_type="domino", gru_hidden_dim=gru, emb_dim=emb,
+                                pure_draft_prefix_len=prefix, shift_label=anchor)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        for parameter in model.domino_head.parameters():
+            parameter.normal_(0, 0.6)
+    return model.to(next(target.parameters()).dtype).eval()
+
+
 RECURSIVE_KINDS = {"eagle3": (Eagle3DraftModel, make_eagle3_config), "mtp": (MTPDraftModel, make_mtp_config)}
 
 

@@ -1,4 +1,5 @@
-"""DSpark drafts: a DFlash backbone whose block positions a Markov head chains (and a confidence head scores).
+"""DSpark and Domino drafts: a DFlash backbone whose block positions a head chains (DSpark's Markov head, scored by
+its confidence head; Domino's GRU).
 
 Greedy output equals plain decoding for every head kind and both block conventions, as a chain, a tree and a
 batch; sampled output follows the target's distribution exactly (the verifier uses the q each position was
@@ -12,7 +13,7 @@ import torch
 
 from blockspec.decoding.batch import batch_generate
 from blockspec.decoding.sequence import GenerationConfig
-from blockspec.drafters.dspark import DSparkDrafter
+from blockspec.drafters.dspark import DominoDrafter, DSparkDrafter
 from blockspec.drafters.registry import detect_method
 from blockspec.errors import BlockspecError, CheckpointError
 from blockspec.models.dflash.checkpoint import load_dflash_model, save_dflash_model
@@ -24,6 +25,7 @@ from helpers import (
     decode,
     exact_joint,
     make_causal_lm,
+    make_domino,
     make_dspark,
     prompts,
     sampled_joint,
@@ -226,3 +228,79 @@ def test_a_dspark_draft_is_not_run_as_plain_dflash(target):
         DFlashDrafter(make_dspark(target).double(), target)
     with pytest.raises(BlockspecError, match="denoise_steps is for DFlash drafters"):
         DSparkDrafter(make_dspark(target).double(), target, denoise_steps=2)
+
+
+# -- Domino --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("anchor,prefix", [(False, 0), (True, 0), (False, 2)],
+                         ids=["masks-predict", "anchor-predicts", "uncorrected-prefix"])
+def test_domino_greedy_chains_trees_and_batches_equal_plain_decoding(target, anchor, prefix):
+    drafter = DominoDrafter(make_domino(target, anchor=anchor, prefix=prefix).double(), target)
+    cases = prompts(320, count=4, seed=6)
+    expected = [greedy(target, ids) for ids in cases]
+    for ids, reference in zip(cases, expected):
+        assert greedy(target, ids, drafter, block_size=drafter.max_draft_tokens + 1) == reference
+        assert greedy(target, ids, drafter, tree_budget=8, tree_top_k=3) == reference
+    rows = batch_generate(target, cases, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=6),
+                          max_batch_size=4)
+    assert [row.token_ids for row in rows] == expected
+
+
+def test_the_domino_correction_is_the_gru_over_the_tokens_before_each_position(target):
+    """Position i's logits: the backbone's plus embed_proj([h_i ; GRU(embeddings of the anchor and drafts before
+    i)]), checked against one GRU pass over the whole chain; the first ``prefix`` positions uncorrected."""
+    model = make_domino(target, prefix=1).double()
+    drafter = DominoDrafter(model, target)
+    ids = prompts(320, count=1, seed=4)[0]
+    logits, _ = drafter.row_logits(drafter.start(ids, _features(target, drafter, ids)), 9, 5)
+    state = drafter.start(ids, _features(target, drafter, ids))
+    hidden, base = drafter._backbone(state, 9, 5)
+    chain = [9] + logits.argmax(dim=-1).tolist()
+    with torch.no_grad():
+        states, _ = model.domino_head.prefix_gru(target.get_input_embeddings()(torch.tensor([chain[:5]])))
+        correction = model.domino_head.embed_proj(torch.cat([hidden, states[0]], dim=-1))
+    assert torch.allclose(logits[0], base[0])
+    assert torch.allclose(logits[1:], base[1:] + correction[1:].float(), atol=1e-5)
+    assert not torch.allclose(logits[1:], base[1:], atol=1e-2)  # the correction is not negligible
+
+
+def test_domino_sampled_output_follows_the_target_exactly():
+    target = small_target()
+    drafter = DominoDrafter(make_domino(target, block_size=3, mask_token_id=7, gru=8, emb=8), target)
+    sampling = SamplingConfig(temperature=1.0)
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=3)
+    assert chi_square_pvalue(counts, exact_joint(target, sampling), SAMPLES) > PASS
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DominoDraftModel"])
+def test_a_domino_draft_loads_by_its_layout_and_drafts_as_saved(target, tmp_path, architecture):
+    save_dflash_model(make_domino(target).float(), tmp_path / "draft")
+    _edit_config(tmp_path / "draft", architectures=[architecture])
+    assert detect_method(tmp_path / "draft") == "domino"
+    ids = prompts(320, count=1, seed=2)[0]
+    drafter = DominoDrafter(load_dflash_model(tmp_path / "draft").double(), target)
+    fresh = DominoDrafter(make_domino(target).double(), target)
+    got = drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 5, 5, SamplingConfig(), None)
+    want = fresh.propose(fresh.start(ids, _features(target, fresh, ids)), 5, 5, SamplingConfig(), None)
+    assert got.tokens.tolist() == want.tokens.tolist()
+
+
+@pytest.mark.parametrize("nested,message", [
+    ({"projector_type": "mlp"}, "projector_type 'mlp' is not one blockspec runs"),
+    ({"gru_hidden_dim": None}, "needs dflash_config.gru_hidden_dim"),
+    ({"pure_draft_prefix_len": -1}, "pure_draft_prefix_len must be a whole number >= 0"),
+])
+def test_a_domino_config_blockspec_cannot_honour_is_refused_by_name(target, tmp_path, nested, message):
+    save_dflash_model(make_domino(target).float(), tmp_path / "draft")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    config["dflash_config"].update(nested)
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_dflash_model(tmp_path / "draft")
+
+
+def test_a_domino_draft_is_not_run_as_plain_dflash(target):
+    from blockspec.drafters.dflash import DFlashDrafter
+
+    with pytest.raises(BlockspecError, match="--method domino"):
+        DFlashDrafter(make_domino(target).double(), target)

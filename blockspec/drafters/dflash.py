@@ -84,7 +84,8 @@ class DFlashDrafter(PositionwiseDrafter):
     """
 
     name = "dflash"
-    #: Whether it runs the draft's Markov head (DSpark's): a plain DFlash drafter refuses a draft that has one.
+    #: Whether it runs a head that chains the block's positions (DSpark's, Domino's): a plain DFlash drafter refuses
+    #: a draft that has one.
     chains_positions = False
 
     def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
@@ -93,6 +94,9 @@ class DFlashDrafter(PositionwiseDrafter):
         if model.markov_head is not None and not self.chains_positions:
             raise BlockspecError("this is a DSpark draft (a Markov head chains its block's positions): run it with "
                                  "--method dspark")
+        if model.domino_head is not None and not self.chains_positions:
+            raise BlockspecError("this is a Domino draft (a GRU head chains its block's positions): run it with "
+                                 "--method domino")
         check_fits_target(model, target_model.config)
         if draft_vocabulary is not None:
             model.compress_vocabulary(draft_vocabulary, target_model.get_output_embeddings().weight)

@@ -1,10 +1,11 @@
-"""DSpark behind the drafter protocol: one DFlash backbone pass, then the Markov head drafts the block left to right.
+"""DSpark and Domino behind the drafter protocol: one DFlash backbone pass, then a head drafts the block left to right.
 
-Each position's logits are the backbone's plus the Markov head's bias from the token before it (the anchor
-for the first position, then the token drafted before), so a chain is sampled position by position from the
-distribution that position really has given the drafts before it: the q the verifier's rejection rule uses.
-A token tree grows by the same rule: a node's children are scored given that node. The confidence head
-(where the draft ships one) is the greedy chain's confidence that the adaptive width calibrates.
+Each position's logits are the backbone's plus a bias from the tokens before it: DSpark's Markov head reads the
+token just before (the anchor for the first position, then the token drafted before), Domino's GRU all of them.
+So a chain is sampled position by position from the distribution that position really has given the drafts
+before it: the q the verifier's rejection rule uses. A token tree grows by the same rule: a node's children are
+scored given that node's path. DSpark's confidence head (where the draft ships one) is the greedy chain's
+confidence that the adaptive width calibrates.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class DSparkDrafter(DFlashDrafter):
     """A DFlash drafter whose block positions are chained by a Markov head (and scored by a confidence head)."""
 
     name = "dspark"
+    label = "DSpark"
     chains_positions = True
 
     def __init__(self, model: DFlashDraftModel, target_model, **options):
@@ -33,8 +35,8 @@ class DSparkDrafter(DFlashDrafter):
             raise BlockspecError("this draft has no Markov head (markov_rank is 0): run it as a DFlash drafter "
                                  "(--method dflash)")
         if options.get("denoise_steps", 1) != 1:
-            raise BlockspecError("denoise_steps is for DFlash drafters: a DSpark draft chains its block's positions "
-                                 "through its Markov head in one pass")
+            raise BlockspecError(f"denoise_steps is for DFlash drafters: a {self.label} draft chains its block's "
+                                 "positions through its head in one pass")
         super().__init__(model, target_model, **options)
         self.markov_head = self.model.markov_head
         self.confidence_head = self.model.confidence_head
@@ -56,13 +58,24 @@ class DSparkDrafter(DFlashDrafter):
         state.pending = None
         return hidden, self._scored(hidden, self.lm_head(hidden.to(self.head_dtype)), state)
 
-    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, markov_state):
-        """Logits [N, K'] of one position for rows whose previous tokens are ``previous`` [N] (target ids), the
-        Markov head's next state and the previous tokens' Markov embeddings."""
-        bias, markov_state, embedded = self.markov_head.step(self.markov_ids[previous], hidden, markov_state)
+    def initial_state(self, hidden: torch.Tensor):
+        """The head's state before a block's first position."""
+        return self.markov_head.initial_state(1, hidden)
+
+    def _bias(self, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
+        """The head's bias [N, its vocabulary] (None: none) at the ``position``-th predicted position for rows whose
+        previous tokens are ``previous`` [N] (target ids), its next state, and what the confidence head reads."""
+        return self.markov_head.step(self.markov_ids[previous], hidden, state)
+
+    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
+        """Logits [N, K'] of one position for rows whose previous tokens are ``previous`` [N], the head's next state
+        and what the confidence head reads."""
+        bias, state, embedded = self._bias(previous, hidden, state, position)
+        if bias is None:
+            return logits, state, embedded
         biased = logits.clone()
         biased[:, :bias.shape[-1]] += bias.float()
-        return biased, markov_state, embedded
+        return biased, state, embedded
 
     # -- a chain ------------------------------------------------------------------------------------------
 
@@ -84,11 +97,11 @@ class DSparkDrafter(DFlashDrafter):
     def _chain(self, hidden, base, last_token: int, row_ids, sampling, generator):
         """Draft the positions one after another: (target ids [n], q [n, K'] or None, confidences [n])."""
         previous = torch.tensor([last_token], device=self.device)
-        markov_state = self.markov_head.initial_state(1, hidden)
+        markov_state = self.initial_state(hidden)
         tokens, probs, confidences = [], [], []
         for position in range(base.shape[0]):
             logits, markov_state, embedded = self._step(base[position:position + 1], previous,
-                                                        hidden[position:position + 1], markov_state)
+                                                        hidden[position:position + 1], markov_state, position)
             if sampling is None:
                 row = logits.argmax(dim=-1)
                 confidences.append(self._confidence(logits, row, hidden[position:position + 1], embedded))
@@ -113,11 +126,11 @@ class DSparkDrafter(DFlashDrafter):
         hidden, base = self._backbone(state, int(last_token), num_tokens)
         row_ids = self.row_ids(state)
         previous = torch.tensor([int(last_token)], device=self.device)
-        markov_state = self.markov_head.initial_state(1, hidden)
+        markov_state = self.initial_state(hidden)
         rows = []
         for position in range(num_tokens):
             logits, markov_state, _ = self._step(base[position:position + 1], previous,
-                                                 hidden[position:position + 1], markov_state)
+                                                 hidden[position:position + 1], markov_state, position)
             rows.append(logits)
             previous = self._target_ids(logits.argmax(dim=-1), row_ids)
         return torch.cat(rows), row_ids
@@ -163,7 +176,7 @@ class DSparkDrafter(DFlashDrafter):
             """Score the children of ``node`` (a target token at depth ``level``) and put them in the frontier."""
             nonlocal counter
             logits, child_state, _ = self._step(base[level:level + 1], torch.tensor([token], device=self.device),
-                                                hidden[level:level + 1], markov_state)
+                                                hidden[level:level + 1], markov_state, level)
             probs = torch.softmax(logits[0], dim=-1)
             top = torch.topk(probs, min(top_k, probs.shape[-1]))
             for probability, row in zip(top.values.tolist(), top.indices.tolist()):
@@ -171,7 +184,7 @@ class DSparkDrafter(DFlashDrafter):
                 heapq.heappush(frontier, (-path_probability * probability, counter, node, level, row, probability,
                                           child_state))
 
-        expand(-1, last_token, 0, 1.0, self.markov_head.initial_state(1, hidden))
+        expand(-1, last_token, 0, 1.0, self.initial_state(hidden))
         while frontier and len(tokens) < budget:
             negative, _, parent, level, row, probability, markov_state = heapq.heappop(frontier)
             token = int(self._target_ids(torch.tensor([row], device=self.device), row_ids)[0])
@@ -184,10 +197,49 @@ class DSparkDrafter(DFlashDrafter):
         return Tree(tokens, parents, depths), confidences
 
 
+class DominoDrafter(DSparkDrafter):
+    """A DFlash drafter whose block positions Domino's GRU head chains (no confidence head: a draft's probability
+    is its confidence)."""
+
+    name = "domino"
+    label = "Domino"
+
+    def __init__(self, model: DFlashDraftModel, target_model, **options):
+        if model.domino_head is None:
+            raise BlockspecError("this draft has no Domino head (dflash_config.projector_type 'domino'): run it as a "
+                                 "DFlash drafter (--method dflash)")
+        if options.get("denoise_steps", 1) != 1:
+            raise BlockspecError("denoise_steps is for DFlash drafters: a Domino draft chains its block's positions "
+                                 "through its head in one pass")
+        DFlashDrafter.__init__(self, model, target_model, **options)
+        self.domino_head = self.model.domino_head
+        self.confidence_head = None
+        #: With a reduced vocabulary, the columns of the correction (over the target's whole vocabulary, as the public
+        #: layout has it) that the draft's rows score.
+        self.correction_rows = self.draft_to_target
+
+    def initial_state(self, hidden: torch.Tensor):
+        return self.domino_head.initial_state(1, hidden)
+
+    def _bias(self, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
+        bias, state = self.domino_head.step(self.embed_tokens(previous), hidden, state, position)
+        if bias is not None and self.correction_rows is not None:
+            bias = bias[:, self.correction_rows]
+        return bias, state, None
+
+
 def build(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,
           sequence_tokens: bool = True, denoise_steps: int = 1) -> DSparkDrafter:
     """A DSpark drafter for ``target`` (a ``Target``) from its checkpoint directory (DeepSpec's, SpecForge's or
     vLLM speculators' layout)."""
     return DSparkDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
+                         denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary,
+                         sequence_tokens=sequence_tokens, draft_dtype="auto" if packed else None)
+
+
+def build_domino(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,
+                 sequence_tokens: bool = True, denoise_steps: int = 1) -> DominoDrafter:
+    """A Domino drafter for ``target`` (a ``Target``) from its checkpoint directory (SpecForge's layout)."""
+    return DominoDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
                          denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary,
                          sequence_tokens=sequence_tokens, draft_dtype="auto" if packed else None)

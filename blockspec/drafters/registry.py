@@ -48,6 +48,8 @@ METHODS: dict[str, DraftMethod] = {m.name: m for m in (
                 "a DFlash checkpoint directory", label="DFlash"),
     DraftMethod("dspark", "checkpoint", ("DSparkDraftModel", "Qwen3DSparkModel"), "blockspec.drafters.dspark:build",
                 "a DSpark checkpoint directory", label="DSpark"),
+    DraftMethod("domino", "checkpoint", ("DominoDraftModel",), "blockspec.drafters.dspark:build_domino",
+                "a Domino checkpoint directory", label="Domino"),
     DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3", "Eagle3Speculator"),
                 "blockspec.drafters.eagle3_mtp:build_eagle3",
                 "an EAGLE-3 checkpoint directory", label="EAGLE-3"),
@@ -70,8 +72,9 @@ DRAFT_METHODS = tuple(METHODS)
 CHECKPOINT_METHODS = tuple(name for name, m in METHODS.items() if m.draft == "checkpoint")
 #: Methods that take a ``--draft``.
 DRAFTED_METHODS = tuple(name for name, m in METHODS.items() if m.draft is not None)
-#: Methods that read a DFlash-family checkpoint (DFlash itself, the hybrids over it, DSpark's backbone).
-DFLASH_METHODS = tuple(name for name, m in METHODS.items() if "dflash" in (name, m.draft_of) or name == "dspark")
+#: Methods that read a DFlash-family checkpoint (DFlash itself, the hybrids over it, DSpark's and Domino's).
+DFLASH_METHODS = tuple(name for name, m in METHODS.items()
+                       if "dflash" in (name, m.draft_of) or name in ("dspark", "domino"))
 
 #: The drafters shipped in the package (folders under ``blockspec/assets/``): by the known target
 #: they serve, then by method.
@@ -91,6 +94,8 @@ def detect_method(draft) -> str:
     config = read_config(draft)
     if config.get("speculators_model_type") == "dspark":
         return "dspark"
+    if (config.get("dflash_config") or {}).get("projector_type") == "domino":
+        return "domino"
     architectures = config.get("architectures") or []
     for method in METHODS.values():
         if any(name in architectures for name in method.architectures):

@@ -54,7 +54,8 @@ CONFIG_ERRORS = (StrictDataclassError, ValueError, TypeError)
 
 #: The architectures of drafter checkpoints (ours and the layouts blockspec loads), by what they are.
 DRAFT_ARCHITECTURES = {"DFlashDraftModel": "a DFlash draft", "DSparkDraftModel": "a DSpark draft",
-                       "Qwen3DSparkModel": "a DSpark draft", "LlamaForCausalLMEagle3": "an EAGLE-3 draft",
+                       "Qwen3DSparkModel": "a DSpark draft", "DominoDraftModel": "a Domino draft",
+                       "LlamaForCausalLMEagle3": "an EAGLE-3 draft",
                        "MTPDraftModel": "an MTP draft"}
 #: Config keys only drafter checkpoints carry.
 DRAFT_CONFIG_KEYS = {"dflash_config": "a DFlash draft", "eagle_config": "an EAGLE draft",

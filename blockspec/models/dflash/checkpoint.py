@@ -38,9 +38,9 @@ _VOCABULARY_WEIGHTS = {"lm_head.": "its own LM head", "d2t": "a draft vocabulary
 SPECULATORS_UNSUPPORTED = ("dflash_context_residual", "dflash_block_position_embedding",
                            "dflash_gated_layer_fusion", "dflash2_dynamic_conv", "dflash2_candidate_selector")
 
-#: ``architectures`` of the DFlash-family layouts blockspec loads: DFlash's, and DSpark's (a DFlash backbone with
-#: a Markov head, DeepSpec's and SpecForge's names).
-DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+#: ``architectures`` of the DFlash-family layouts blockspec loads: DFlash's (Domino's drafts go by it too, or by
+#: their own), and DSpark's (a DFlash backbone with a Markov head, DeepSpec's and SpecForge's names).
+DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DominoDraftModel")
 DSPARK_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
 
 #: The settings of DSpark's heads and block convention, carried over from a speculators config.

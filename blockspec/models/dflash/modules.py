@@ -24,6 +24,7 @@ from blockspec.models.dflash.config import (
     select_target_layers,
     target_width,
 )
+from blockspec.models.dflash.domino import DominoHead, domino_settings
 from blockspec.models.dflash.markov import ConfidenceHead, DSparkSettings, MarkovHead, dspark_settings
 from blockspec.models.draft_vocab import DraftVocabulary, check_vocabulary
 
@@ -246,11 +247,16 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
             MarkovHead(settings, draft_vocab_size(config), config.hidden_size)
         self.confidence_head = ConfidenceHead(settings, config.hidden_size) \
             if settings is not None and settings.confidence_head else None
+        #: Domino's head (None: none): a GRU over the previous tokens corrects each position's logits.
+        domino = domino_settings(config)
+        if domino is not None and settings is not None:
+            raise IncompatibleDraftError("a draft has a Markov head (DSpark) or a Domino head, not both")
+        self.domino_head = None if domino is None else DominoHead(domino, config.hidden_size, config.vocab_size)
         #: Whether the anchor's slot predicts the next token (slot k predicts anchor + k + 1: a block of B slots
-        #: drafts B tokens, DSpark's and Domino's convention), or each masked slot predicts its own position
-        #: (slot k predicts anchor + k: B slots draft B - 1, DFlash's).
-        #: DSpark's default is the first, DFlash's the second.
-        self.anchor_predicts = bool(dflash_setting(config, "sample_from_anchor", settings is not None))
+        #: drafts B tokens), or each masked slot predicts its own position (slot k predicts anchor + k: B slots
+        #: draft B - 1). DSpark's default is the first, DFlash's the second; Domino says which (shift_label).
+        default = domino.shift_label if domino is not None else settings is not None
+        self.anchor_predicts = bool(dflash_setting(config, "sample_from_anchor", default))
         self.post_init()
 
     @property
