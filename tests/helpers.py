@@ -174,6 +174,26 @@ def make_domino(target, *, anchor=False, prefix=0, gru=16, emb=12, num_layers=2,
     return model.to(next(target.parameters()).dtype).eval()
 
 
+def make_dflash2(target, *, anchor=False, taps=2, group=16, rank=8, top_k=4, num_layers=2, block_size=6,
+                 mask_token_id=3, seed=1, **scalars) -> DFlashDraftModel:
+    """A randomly initialised DFlash2 draft (z-lab's layout): convolutions around every sublayer, a candidate
+    selector, sliding-window layers that see the whole block; ``scalars``: further dflash_config keys
+    (input_embedding_scale, output_multiplier, final_logit_softcapping, attention_value_scale)."""
+    torch.manual_seed(seed)
+    config = make_dflash_config(target.config, num_layers=num_layers, block_size=block_size,
+                                mask_token_id=mask_token_id)
+    config.dflash_config.update(conv_kernel_size=taps, conv_group_size=group, selector_rank=rank,
+                                selector_top_k=top_k, **scalars)
+    config.layer_types, config.sliding_window, config.is_causal = ["sliding_attention"] * num_layers, 64, False
+    config.sample_from_anchor = anchor
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                parameter.normal_(0, 0.5)
+    return model.to(next(target.parameters()).dtype).eval()
+
+
 RECURSIVE_KINDS = {"eagle3": (Eagle3DraftModel, make_eagle3_config), "mtp": (MTPDraftModel, make_mtp_config)}
 
 

@@ -411,7 +411,7 @@ def test_a_speculators_dflash_draft_loads_and_drafts_as_ours(tmp_path):
 @pytest.mark.parametrize("settings,message", [
     ({"speculators_model_type": "domino"}, "speculators_model_type 'domino' is not supported"),
     ({"speculators_model_type": "dspark"}, "a speculators DSpark draft needs markov_rank >= 1"),
-    ({"dflash2_dynamic_conv": True}, "dflash2_dynamic_conv set in config.json"),
+    ({"dflash_context_residual": True}, "dflash_context_residual set in config.json"),
     ({"aux_hidden_state_layer_ids": None}, "needs transformer_layer_config, aux_hidden_state_layer_ids"),
 ])
 def test_speculators_settings_blockspec_cannot_run_are_refused_by_name(tmp_path, settings, message):

@@ -13,7 +13,7 @@ import torch
 
 from blockspec.decoding.batch import batch_generate
 from blockspec.decoding.sequence import GenerationConfig
-from blockspec.drafters.dspark import DominoDrafter, DSparkDrafter
+from blockspec.drafters.chained import DFlash2Drafter, DominoDrafter, DSparkDrafter
 from blockspec.drafters.registry import detect_method
 from blockspec.errors import BlockspecError, CheckpointError
 from blockspec.models.dflash.checkpoint import load_dflash_model, save_dflash_model
@@ -25,6 +25,7 @@ from helpers import (
     decode,
     exact_joint,
     make_causal_lm,
+    make_dflash2,
     make_domino,
     make_dspark,
     prompts,
@@ -304,3 +305,128 @@ def test_a_domino_draft_is_not_run_as_plain_dflash(target):
 
     with pytest.raises(BlockspecError, match="--method domino"):
         DFlashDrafter(make_domino(target).double(), target)
+
+
+# -- DFlash2 ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("anchor", [False, True], ids=["masks-predict", "anchor-predicts"])
+def test_dflash2_greedy_chains_trees_and_batches_equal_plain_decoding(target, anchor):
+    drafter = DFlash2Drafter(make_dflash2(target, anchor=anchor, attention_value_scale=0.7, input_embedding_scale=1.3,
+                                          output_multiplier=0.8, final_logit_softcapping=20.0).double(), target)
+    cases = prompts(320, count=4, seed=7)
+    expected = [greedy(target, ids) for ids in cases]
+    for ids, reference in zip(cases, expected):
+        assert greedy(target, ids, drafter, block_size=drafter.max_draft_tokens + 1) == reference
+        assert greedy(target, ids, drafter, tree_budget=8, tree_top_k=3) == reference
+    rows = batch_generate(target, cases, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=6),
+                          max_batch_size=4)
+    assert [row.token_ids for row in rows] == expected
+
+
+def test_the_selector_walks_each_positions_candidates_given_the_token_before(target):
+    model = make_dflash2(target).double()
+    drafter = DFlash2Drafter(model, target)
+    ids = prompts(320, count=1, seed=4)[0]
+    chain = drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 9, 5, SamplingConfig(), None)
+    hidden, base = drafter._backbone(drafter.start(ids, _features(target, drafter, ids)), 9, 5)
+    previous, walked = 9, []
+    with torch.no_grad():
+        for position in range(5):
+            values, candidates = base[position].topk(4)
+            selector = model.candidate_selector
+            edges = (selector.predecessor_codebook[previous] * selector.hidden_projection(hidden[position])) @ \
+                selector.successor_codebook[candidates].T
+            previous = int(candidates[(values + edges.float()).argmax()])
+            walked.append(previous)
+    assert chain.tokens.tolist() == walked
+    assert walked != base.argmax(dim=-1).tolist()  # the selector, not the head's argmax, chose the path
+
+
+def test_the_grouped_convolution_mixes_each_position_with_the_ones_before_it_in_the_block():
+    from blockspec.models.dflash.dflash2 import DFlash2Settings, GroupedConv
+
+    torch.manual_seed(0)
+    conv = GroupedConv(8, DFlash2Settings(conv_kernel_size=3, conv_group_size=4, selector_rank=1, selector_top_k=1))
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+    hidden, deltas = torch.randn(2, 5, 8), torch.randn(2, 5, 3, 2)
+    got = conv._convolve(hidden, deltas, 1)
+    for row in range(2):
+        for position in range(5):
+            for channel in range(8):
+                group = channel // 4
+                want = sum((conv.base_kernel[1, tap, channel] + deltas[row, position, tap, group]) *
+                           hidden[row, position - tap, channel] for tap in range(3) if position - tap >= 0)
+                assert got[row, position, channel].item() == pytest.approx(float(want), abs=1e-5)
+
+
+def test_dflash2_scalars_are_honoured(target):
+    ids = prompts(320, count=1, seed=1)[0]
+
+    def base_logits(**scalars):
+        drafter = DFlash2Drafter(make_dflash2(target, **scalars).double(), target)
+        return drafter._backbone(drafter.start(ids, _features(target, drafter, ids)), 9, 5)[1]
+
+    plain = base_logits()
+    assert base_logits(final_logit_softcapping=2.0).abs().max() <= 2.0 < plain.abs().max()
+    assert torch.allclose(base_logits(output_multiplier=0.5), plain * 0.5)
+    for scalar in ("input_embedding_scale", "attention_value_scale"):
+        assert not torch.allclose(base_logits(**{scalar: 1.7}), plain)
+
+
+def test_dflash2_sampled_output_follows_the_target_exactly():
+    target = small_target()
+    drafter = DFlash2Drafter(make_dflash2(target, block_size=3, mask_token_id=7, group=8, top_k=3), target)
+    sampling = SamplingConfig(temperature=1.0)
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=3)
+    assert chi_square_pvalue(counts, exact_joint(target, sampling), SAMPLES) > PASS
+
+
+def as_speculators_dflash2(ours, directory):
+    config = json.loads((ours / "config.json").read_text())
+    nested = config.pop("dflash_config")
+    directory.mkdir()
+    for file in ours.iterdir():
+        if file.name != "config.json":
+            (directory / file.name).write_bytes(file.read_bytes())
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "is_causal", "sample_from_anchor")}
+    speculators = {"speculators_model_type": "dflash2", "architectures": ["DFlash2DraftModel"],
+                   "transformer_layer_config": layer, "sliding_window_non_causal": True,
+                   "aux_hidden_state_layer_ids": [i + 1 for i in nested["target_layer_ids"]],
+                   "block_size": nested["block_size"], "mask_token_id": nested["mask_token_id"],
+                   **{k: nested[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}}
+    (directory / "config.json").write_text(json.dumps(speculators))
+    return directory
+
+
+def test_dflash2_layouts_load_and_draft_as_saved(target, tmp_path):
+    save_dflash_model(make_dflash2(target).float(), tmp_path / "ours")
+    ids = prompts(320, count=1, seed=2)[0]
+    fresh = DFlash2Drafter(make_dflash2(target).double(), target)
+    want = fresh.propose(fresh.start(ids, _features(target, fresh, ids)), 5, 5, SamplingConfig(), None)
+    for directory in (tmp_path / "ours", as_speculators_dflash2(tmp_path / "ours", tmp_path / "speculators")):
+        assert detect_method(directory) == "dflash2"
+        drafter = DFlash2Drafter(load_dflash_model(directory).double(), target)
+        got = drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 5, 5, SamplingConfig(), None)
+        assert got.tokens.tolist() == want.tokens.tolist()
+
+
+@pytest.mark.parametrize("nested,message", [
+    ({"selector_top_k": None}, "needs dflash_config.selector_top_k"),
+    ({"conv_group_size": 7}, "conv_group_size 7 must divide hidden_size"),
+    ({"selector_rank": 0}, "selector_rank must be a whole number >= 1"),
+])
+def test_a_dflash2_config_blockspec_cannot_honour_is_refused_by_name(target, tmp_path, nested, message):
+    save_dflash_model(make_dflash2(target).float(), tmp_path / "draft")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    config["dflash_config"].update(nested)
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_dflash_model(tmp_path / "draft")
+
+
+def test_a_dflash2_draft_is_not_run_as_plain_dflash(target):
+    from blockspec.drafters.dflash import DFlashDrafter
+
+    with pytest.raises(BlockspecError, match="--method dflash2"):
+        DFlashDrafter(make_dflash2(target).double(), target)

@@ -94,6 +94,9 @@ class DFlashDrafter(PositionwiseDrafter):
         if model.markov_head is not None and not self.chains_positions:
             raise BlockspecError("this is a DSpark draft (a Markov head chains its block's positions): run it with "
                                  "--method dspark")
+        if model.candidate_selector is not None and not self.chains_positions:
+            raise BlockspecError("this is a DFlash2 draft (a selector walks its block's candidates): run it with "
+                                 "--method dflash2")
         if model.domino_head is not None and not self.chains_positions:
             raise BlockspecError("this is a Domino draft (a GRU head chains its block's positions): run it with "
                                  "--method domino")
@@ -314,7 +317,10 @@ class DFlashDrafter(PositionwiseDrafter):
         if state.sequence_rows is not None:
             head = torch.cat([head, F.linear(hidden, state.sequence_rows.weight)], dim=-1)
         logits = head.float()
-        return logits if self.model.logit_scale == 1.0 else logits * self.model.logit_scale
+        scale = self.model.logit_scale * self.model.output_multiplier
+        logits = logits if scale == 1.0 else logits * scale
+        cap = self.model.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _block_start(state: DFlashState) -> int:

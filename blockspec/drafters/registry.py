@@ -46,9 +46,11 @@ class DraftMethod:
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("dflash", "checkpoint", ("DFlashDraftModel", "DFlashSpeculator"), "blockspec.drafters.dflash:build",
                 "a DFlash checkpoint directory", label="DFlash"),
-    DraftMethod("dspark", "checkpoint", ("DSparkDraftModel", "Qwen3DSparkModel"), "blockspec.drafters.dspark:build",
+    DraftMethod("dspark", "checkpoint", ("DSparkDraftModel", "Qwen3DSparkModel"), "blockspec.drafters.chained:build",
                 "a DSpark checkpoint directory", label="DSpark"),
-    DraftMethod("domino", "checkpoint", ("DominoDraftModel",), "blockspec.drafters.dspark:build_domino",
+    DraftMethod("dflash2", "checkpoint", ("DFlash2DraftModel",), "blockspec.drafters.chained:build_dflash2",
+                "a DFlash2 checkpoint directory", label="DFlash2"),
+    DraftMethod("domino", "checkpoint", ("DominoDraftModel",), "blockspec.drafters.chained:build_domino",
                 "a Domino checkpoint directory", label="Domino"),
     DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3", "Eagle3Speculator"),
                 "blockspec.drafters.eagle3_mtp:build_eagle3",
@@ -72,9 +74,9 @@ DRAFT_METHODS = tuple(METHODS)
 CHECKPOINT_METHODS = tuple(name for name, m in METHODS.items() if m.draft == "checkpoint")
 #: Methods that take a ``--draft``.
 DRAFTED_METHODS = tuple(name for name, m in METHODS.items() if m.draft is not None)
-#: Methods that read a DFlash-family checkpoint (DFlash itself, the hybrids over it, DSpark's and Domino's).
+#: Methods that read a DFlash-family checkpoint (DFlash itself, the hybrids over it, DFlash2's, DSpark's, Domino's).
 DFLASH_METHODS = tuple(name for name, m in METHODS.items()
-                       if "dflash" in (name, m.draft_of) or name in ("dspark", "domino"))
+                       if "dflash" in (name, m.draft_of) or name in ("dflash2", "dspark", "domino"))
 
 #: The drafters shipped in the package (folders under ``blockspec/assets/``): by the known target
 #: they serve, then by method.
@@ -92,8 +94,8 @@ def detect_method(draft) -> str:
     if not Path(draft).is_dir() and str(draft) in hub.KNOWN_MODELS:
         return "draft"
     config = read_config(draft)
-    if config.get("speculators_model_type") == "dspark":
-        return "dspark"
+    if config.get("speculators_model_type") in ("dspark", "dflash2"):
+        return config["speculators_model_type"]
     if (config.get("dflash_config") or {}).get("projector_type") == "domino":
         return "domino"
     architectures = config.get("architectures") or []

@@ -253,7 +253,7 @@ class DSparkTraining(DFlashTraining):
         return loss, accuracy
 
     def drafter(self, model, target):
-        from blockspec.drafters.dspark import DSparkDrafter
+        from blockspec.drafters.chained import DSparkDrafter
 
         return DSparkDrafter(copy.deepcopy(model), target.model)
 

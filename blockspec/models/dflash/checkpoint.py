@@ -33,14 +33,17 @@ _UNUSABLE_WEIGHTS = {"embed_tokens.": "its own token embedding", "mask_hidden": 
 
 _VOCABULARY_WEIGHTS = {"lm_head.": "its own LM head", "d2t": "a draft vocabulary map", "t2d": "a draft vocabulary map"}
 
-#: speculators' DFlash settings blockspec cannot run, refused by name rather than ignored (DFlash2's convolutions
-#: and candidate selector, the extra residuals).
+#: speculators' DFlash settings blockspec cannot run, refused by name rather than ignored (the extra residuals, and
+#: a DFlash2 draft's mixture-of-experts feed-forward).
 SPECULATORS_UNSUPPORTED = ("dflash_context_residual", "dflash_block_position_embedding",
-                           "dflash_gated_layer_fusion", "dflash2_dynamic_conv", "dflash2_candidate_selector")
+                           "dflash_gated_layer_fusion")
+#: speculators' DFlash2 keys, carried into dflash_config.
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+                 "output_multiplier", "final_logit_softcapping", "attention_value_scale")
 
 #: ``architectures`` of the DFlash-family layouts blockspec loads: DFlash's (Domino's drafts go by it too, or by
 #: their own), and DSpark's (a DFlash backbone with a Markov head, DeepSpec's and SpecForge's names).
-DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DominoDraftModel")
+DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DominoDraftModel", "DFlash2DraftModel")
 DSPARK_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
 
 #: The settings of DSpark's heads and block convention, carried over from a speculators config.
@@ -55,10 +58,13 @@ def from_speculators_layout(raw: dict, directory) -> dict:
     kind = raw.get("speculators_model_type")
     if kind is None:
         return _flat_aux_layers(raw, directory)
-    if kind not in ("dflash", "dspark"):
+    if kind not in ("dflash", "dspark", "dflash2"):
         raise CheckpointError(f"{directory}: speculators_model_type {kind!r} is not supported: blockspec runs "
-                              "speculators' 'dflash' and 'dspark' drafts (and its own 'eagle3' layout through "
-                              "--method eagle3)")
+                              "speculators' 'dflash', 'dflash2' and 'dspark' drafts (and its own 'eagle3' layout "
+                              "through --method eagle3)")
+    if kind == "dflash2" and raw.get("draft_ffn_type", "dense") != "dense":
+        raise CheckpointError(f"{directory}: draft_ffn_type {raw['draft_ffn_type']!r} (a mixture-of-experts draft "
+                              "layer) is not supported: blockspec runs dense DFlash2 drafts")
     on = [name for name in SPECULATORS_UNSUPPORTED if raw.get(name)]
     if on:
         raise CheckpointError(f"{directory}: {', '.join(on)} set in config.json, which blockspec does not run")
@@ -67,7 +73,7 @@ def from_speculators_layout(raw: dict, directory) -> dict:
     if not isinstance(layer, dict) or not aux or raw.get("mask_token_id") is None:
         raise CheckpointError(f"{directory}/config.json: a speculators DFlash draft needs transformer_layer_config, "
                               "aux_hidden_state_layer_ids and mask_token_id")
-    architecture = "DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"
+    architecture = {"dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}.get(kind, "DFlashDraftModel")
     converted = {**layer, "architectures": [architecture], "draft_vocab_size": raw.get("draft_vocab_size"),
                  # hidden-state indices (0: the embeddings) to the outputs of layers, as dflash_config counts them
                  "dflash_config": {"mask_token_id": raw["mask_token_id"], "block_size": raw.get("block_size", 8),
@@ -75,6 +81,9 @@ def from_speculators_layout(raw: dict, directory) -> dict:
     if raw.get("target_hidden_size") is not None:
         converted["target_hidden_size"] = raw["target_hidden_size"]
     converted.update({key: raw[key] for key in _DSPARK_KEYS if raw.get(key) is not None})
+    converted["dflash_config"].update({key: raw[key] for key in _DFLASH2_KEYS if raw.get(key) is not None})
+    if kind == "dflash2":  # its sliding windows see the whole block (bidirectional) unless it says otherwise
+        converted.setdefault("is_causal", not raw.get("sliding_window_non_causal", True))
     if kind == "dspark" and not raw.get("markov_rank"):
         raise CheckpointError(f"{directory}/config.json: a speculators DSpark draft needs markov_rank >= 1")
     return converted
@@ -267,8 +276,9 @@ def check_fits_target(model: DFlashDraftModel, target_config, *, draft_name: str
 
 def save_dflash_model(model: DFlashDraftModel, directory) -> None:
     """Save in the public layout, atomically (a mask embedding of its own beside the weights): DSpark's name for a
-    drafter with a Markov head."""
-    architecture = DSPARK_ARCHITECTURES[0] if model.markov_head is not None else "DFlashDraftModel"
+    drafter with a Markov head, DFlash2's for one with a candidate selector."""
+    architecture = DSPARK_ARCHITECTURES[0] if model.markov_head is not None else \
+        "DFlash2DraftModel" if model.candidate_selector is not None else "DFlashDraftModel"
 
     def write(tmp):
         model.save_pretrained(tmp, safe_serialization=True)

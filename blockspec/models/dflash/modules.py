@@ -24,6 +24,7 @@ from blockspec.models.dflash.config import (
     select_target_layers,
     target_width,
 )
+from blockspec.models.dflash.dflash2 import CandidateSelector, GroupedConv, dflash2_settings, logit_transform
 from blockspec.models.dflash.domino import DominoHead, domino_settings
 from blockspec.models.dflash.markov import ConfidenceHead, DSparkSettings, MarkovHead, dspark_settings
 from blockspec.models.draft_vocab import DraftVocabulary, check_vocabulary
@@ -112,6 +113,8 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
+        #: Multiplies every value before attention (DFlash2's ``attention_value_scale``).
+        self.value_scale = float(dflash_setting(config, "attention_value_scale", 1.0))
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, num_heads: int) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -121,7 +124,7 @@ class DFlashAttention(nn.Module):
         keys = apply_rotary(self.k_norm(self._heads(x, self.k_proj, self.num_kv_heads)).transpose(1, 2), *rope,
                             neox=self.neox)
         values = self._heads(x, self.v_proj, self.num_kv_heads).transpose(1, 2)
-        return keys, values
+        return keys, values if self.value_scale == 1.0 else values * self.value_scale
 
     def forward(self, block, block_rope, context, context_rope, cache=None, layer=0, attention_mask=None):
         queries = self.project_queries(block, block_rope)
@@ -185,25 +188,39 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, sinks: bool = False):
+    """Attention over [context ; block] and an MLP, each pre-normed with a residual; with DFlash2's settings,
+    each sublayer inside a causal grouped convolution over the block."""
+
+    def __init__(self, config: Qwen3Config, sinks: bool = False, convolution=None):
         super().__init__()
         self.self_attn = DFlashAttention(config, sinks)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if convolution is not None:
+            self.attention_conv = GroupedConv(config.hidden_size, convolution)
+            self.mlp_conv = GroupedConv(config.hidden_size, convolution)
 
     def forward(self, hidden, block_rope, context, context_rope, cache, layer, attention_mask):
-        attended = self.self_attn(
-            self.input_layernorm(hidden), block_rope, context, context_rope, cache, layer, attention_mask
-        )
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return self._sublayers(hidden, lambda x: self.self_attn(x, block_rope, context, context_rope, cache, layer,
+                                                               attention_mask))
 
     def forward_rows(self, hidden, block_rope, context, context_rope, context_sizes, caches, layer):
-        attended = self.self_attn.forward_rows(self.input_layernorm(hidden), block_rope, context, context_rope,
-                                               context_sizes, caches, layer)
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return self._sublayers(hidden, lambda x: self.self_attn.forward_rows(x, block_rope, context, context_rope,
+                                                                            context_sizes, caches, layer))
+
+    def _sublayers(self, hidden, attend):
+        hidden = hidden + _convolved(self.attention_conv, attend, self.input_layernorm(hidden))
+        return hidden + _convolved(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden))
+
+
+def _convolved(convolution: GroupedConv | None, sublayer, hidden: torch.Tensor) -> torch.Tensor:
+    """``sublayer(hidden)``, inside the convolution where the layer has one."""
+    if convolution is None:
+        return sublayer(hidden)
+    hidden, deltas = convolution.prepare(hidden)
+    return convolution.finish(sublayer(hidden), deltas)
 
 
 class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
@@ -219,7 +236,9 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
         sinks = attention_sinks(config)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config, sinks) for _ in range(config.num_hidden_layers)])
+        dflash2 = dflash2_settings(config)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, sinks, dflash2)
+                                     for _ in range(config.num_hidden_layers)])
         self.attention = [layer_attention(config, i) for i in range(config.num_hidden_layers)]
         layer_ids = dflash_setting(config, "target_layer_ids")
         if layer_ids is None:
@@ -257,6 +276,14 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
         #: draft B - 1). DSpark's default is the first, DFlash's the second; Domino says which (shift_label).
         default = domino.shift_label if domino is not None else settings is not None
         self.anchor_predicts = bool(dflash_setting(config, "sample_from_anchor", default))
+        #: DFlash2's candidate selector (None: none), over the target's vocabulary.
+        if dflash2 is not None and (settings is not None or domino is not None):
+            raise IncompatibleDraftError("a draft has one of DFlash2's selector, DSpark's or Domino's head, not two")
+        self.candidate_selector = None if dflash2 is None else \
+            CandidateSelector(config.hidden_size, config.vocab_size, dflash2)
+        #: DFlash2's scalars: block embeddings are scaled on the way in, the head's logits on the way out.
+        self.input_embedding_scale = float(dflash_setting(config, "input_embedding_scale", 1.0))
+        self.output_multiplier, self.logit_softcap = logit_transform(config)
         self.post_init()
 
     @property
@@ -369,10 +396,10 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
         """The block's embeddings through the target's table; masked slots take the draft's own mask
         embedding where it ships one."""
         embeddings = embed_tokens(block_ids)
-        if self.mask_embedding is None:
-            return embeddings
-        masked = (block_ids == int(self.mask_token_id)).unsqueeze(-1)
-        return torch.where(masked, self.mask_embedding.to(embeddings.dtype), embeddings)
+        if self.mask_embedding is not None:
+            masked = (block_ids == int(self.mask_token_id)).unsqueeze(-1)
+            embeddings = torch.where(masked, self.mask_embedding.to(embeddings.dtype), embeddings)
+        return embeddings if self.input_embedding_scale == 1.0 else embeddings * self.input_embedding_scale
 
     def _layer_masks(self, block_positions, context_positions, cache, attention_mask) -> dict:
         """Per kind of layer attention: ``attention_mask`` narrowed by causality and window (by position)."""

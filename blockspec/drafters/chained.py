@@ -1,7 +1,9 @@
-"""DSpark and Domino behind the drafter protocol: one DFlash backbone pass, then a head drafts the block left to right.
+"""DSpark, Domino and DFlash2 behind the drafter protocol: one DFlash backbone pass, then the block is drafted left to
+right, each position given the tokens before it.
 
 Each position's logits are the backbone's plus a bias from the tokens before it: DSpark's Markov head reads the
-token just before (the anchor for the first position, then the token drafted before), Domino's GRU all of them.
+token just before (the anchor for the first position, then the token drafted before), Domino's GRU all of them;
+DFlash2's selector rescores the position's top-k tokens given the token before.
 So a chain is sampled position by position from the distribution that position really has given the drafts
 before it: the q the verifier's rejection rule uses. A token tree grows by the same rule: a node's children are
 scored given that node's path. DSpark's confidence head (where the draft ships one) is the greedy chain's
@@ -228,6 +230,44 @@ class DominoDrafter(DSparkDrafter):
         return bias, state, None
 
 
+class DFlash2Drafter(DSparkDrafter):
+    """A DFlash2 drafter: its selector walks each position's top-k candidates, each scored given the token before it
+    (the draft's probability among them is its confidence)."""
+
+    name = "dflash2"
+    label = "DFlash2"
+
+    def __init__(self, model: DFlashDraftModel, target_model, **options):
+        if model.candidate_selector is None:
+            raise BlockspecError("this draft has no candidate selector (dflash_config.selector_rank): run it as a "
+                                 "DFlash drafter (--method dflash)")
+        if options.get("denoise_steps", 1) != 1:
+            raise BlockspecError("denoise_steps is for DFlash drafters: a DFlash2 draft's selector walks its block "
+                                 "in one pass")
+        DFlashDrafter.__init__(self, model, target_model, **options)
+        self.selector = self.model.candidate_selector
+        self.confidence_head = None
+
+    def initial_state(self, hidden: torch.Tensor):
+        return None
+
+    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
+        """The position's top-k candidates (by the backbone's logits [1, K']) rescored given the token before them;
+        every other row -inf."""
+        top = torch.topk(logits, min(self.selector.top_k, logits.shape[-1]), dim=-1)
+        candidates = top.indices if self._row_ids is None else self._row_ids[top.indices]
+        scores = top.values + self.selector.edges(previous, hidden, candidates).float()
+        return logits.new_full(logits.shape, float("-inf")).scatter_(-1, top.indices, scores), state, None
+
+    def _backbone(self, state: DFlashState, last_token: int, num_tokens: int):
+        self._row_ids = self.row_ids(state)
+        return super()._backbone(state, last_token, num_tokens)
+
+    def _tree(self, hidden, base, last_token: int, row_ids, budget: int, top_k: int):
+        self._row_ids = row_ids
+        return super()._tree(hidden, base, last_token, row_ids, budget, top_k)
+
+
 def build(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,
           sequence_tokens: bool = True, denoise_steps: int = 1) -> DSparkDrafter:
     """A DSpark drafter for ``target`` (a ``Target``) from its checkpoint directory (DeepSpec's, SpecForge's or
@@ -243,3 +283,12 @@ def build_domino(directory, target, *, sample_drafts: bool = True, packed: bool 
     return DominoDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
                          denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary,
                          sequence_tokens=sequence_tokens, draft_dtype="auto" if packed else None)
+
+
+def build_dflash2(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,
+                  sequence_tokens: bool = True, denoise_steps: int = 1) -> DFlash2Drafter:
+    """A DFlash2 drafter for ``target`` (a ``Target``) from its checkpoint directory (z-lab's or speculators'
+    layout)."""
+    return DFlash2Drafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
+                          denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary,
+                          sequence_tokens=sequence_tokens, draft_dtype="auto" if packed else None)
