@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from blockspec.bench.replay import recorded_answers, replay_acceptance
-from blockspec.drafters.registry import build_drafter
+from blockspec.drafters.registry import build_drafter, detect_method
 from blockspec.drafters.tree import DEFAULT_TREE_TOP_K
 from blockspec.errors import BlockspecError
 from blockspec.models.checkpoint import read_config
@@ -36,7 +36,8 @@ def main() -> int:
     parser.add_argument("--draft", nargs="+", required=True, metavar="DIR", help="DFlash drafter directories")
     parser.add_argument("--methods", nargs="+", default=["dflash"],
                         help="drafting methods over each drafter: dflash, dflash+suffix, dflash+lookup, suffix "
-                             "(copy sources remember each replayed answer, as a server remembers its outputs)")
+                             "(copy sources remember each replayed answer, as a server remembers its outputs), or "
+                             "auto: each drafter's own (dflash, dflash2, dspark, domino)")
     parser.add_argument("--target", default=None, help="target (default: the run's)")
     parser.add_argument("--quantize", default="none", metavar="{none,fp16}",
                         help="replay on the target with its linear layers on fp16 weights (the features the drafter "
@@ -87,6 +88,7 @@ def run(args) -> list[dict]:
     rows = []
     for directory, vocabulary, sequence_tokens, method, (name, options) in itertools.product(
             args.draft, vocabularies, sequence_choices, args.methods, settings):
+        method = detect_method(directory) if method == "auto" else method
         if vocabulary is not None and (method != "dflash" or has_reduced_vocabulary(read_config(directory))):
             continue
         extra = {} if vocabulary is None else {"draft_vocabulary": vocabulary}
