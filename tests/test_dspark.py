@@ -46,10 +46,12 @@ def greedy(target, ids, drafter=None, **options):
     return decode(target, ids, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS, **options)).token_ids
 
 
+@pytest.mark.parametrize("candidates", [64, None], ids=["top-64-rescored", "every-row"])
 @pytest.mark.parametrize("anchor", [True, False], ids=["anchor-predicts", "masks-predict"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_chains_trees_and_batches_equal_plain_decoding(target, kind, anchor):
-    drafter = DSparkDrafter(make_dspark(target, kind=kind, anchor=anchor).double(), target)
+def test_greedy_chains_trees_and_batches_equal_plain_decoding(target, kind, anchor, candidates):
+    drafter = DSparkDrafter(make_dspark(target, kind=kind, anchor=anchor).double(), target,
+                            markov_candidates=candidates)
     assert drafter.max_draft_tokens == (6 if anchor else 5)
     cases = prompts(320, count=4, seed=5)
     expected = [greedy(target, ids) for ids in cases]
@@ -74,6 +76,22 @@ def test_a_dflash_draft_whose_anchor_slot_predicts_decodes_losslessly(target):
     for ids in prompts(320, count=3, seed=8):
         assert greedy(target, ids, drafter, block_size=7) == greedy(target, ids)
         assert greedy(target, ids, drafter, tree_budget=8) == greedy(target, ids)
+
+
+def test_rescoring_the_top_rows_drafts_as_the_whole_head_where_they_hold_its_best(target):
+    """With as many candidates as rows, rescoring the top rows is the whole head's bias; with fewer, each candidate
+    row of the first position (given the same anchor) scores as under the whole head."""
+    model = make_dspark(target, kind="gated").double()
+    ids = prompts(320, count=1, seed=12)[0]
+    whole = DSparkDrafter(model, target, markov_candidates=None)
+    every = DSparkDrafter(model, target, markov_candidates=320)
+    few = DSparkDrafter(model, target, markov_candidates=16)
+    logits = {name: drafter.row_logits(drafter.start(ids, _features(target, drafter, ids)), 9, 5)[0]
+              for name, drafter in (("whole", whole), ("every", every), ("few", few))}
+    assert torch.allclose(logits["every"], logits["whole"], atol=1e-6)
+    finite = torch.isfinite(logits["few"])
+    assert finite.sum(dim=-1).tolist() == [16] * 5
+    assert torch.allclose(logits["few"][0][finite[0]], logits["whole"][0][finite[0]], atol=1e-6)
 
 
 def test_the_markov_head_changes_the_drafts(target):

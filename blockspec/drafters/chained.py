@@ -24,6 +24,12 @@ from blockspec.models.dflash.checkpoint import load_dflash_model
 from blockspec.models.dflash.modules import DFlashDraftModel
 from blockspec.sampling import sample_from, sampling_probs
 
+#: The backbone's top tokens at each position that DSpark's Markov head rescores (None: every row). The bias rarely
+#: lifts a token from below them (replayed tau on 100 gsm8k prompts: see benchmarks/README.md), and rescoring 64
+#: rows instead of the head's thousands makes a chain step and a tree node a fraction of the cost. A sampled draft
+#: draws from the rescored candidates: that is its q.
+MARKOV_CANDIDATES = 64
+
 
 class DSparkDrafter(DFlashDrafter):
     """A DFlash drafter whose block positions are chained by a Markov head (and scored by a confidence head)."""
@@ -31,6 +37,8 @@ class DSparkDrafter(DFlashDrafter):
     name = "dspark"
     label = "DSpark"
     chains_positions = True
+    #: None: the head's bias over every row (Domino's head is always applied whole).
+    markov_candidates: int | None = None
 
     def __init__(self, model: DFlashDraftModel, target_model, **options):
         if model.markov_head is None:
@@ -39,9 +47,13 @@ class DSparkDrafter(DFlashDrafter):
         if options.get("denoise_steps", 1) != 1:
             raise BlockspecError(f"denoise_steps is for DFlash drafters: a {self.label} draft chains its block's "
                                  "positions through its head in one pass")
+        candidates = options.pop("markov_candidates", MARKOV_CANDIDATES)
         super().__init__(model, target_model, **options)
         self.markov_head = self.model.markov_head
         self.confidence_head = self.model.confidence_head
+        self.markov_candidates = candidates
+        #: The bias projection's rows, as the draft keeps them (the drafter's kernels may pack the layer).
+        self.markov_rows = model.markov_head.markov_w2.weight
         #: The Markov head's id of each target token (-1: outside the draft vocabulary it was trained over).
         vocabulary = self.markov_head.markov_w1.num_embeddings
         if self.draft_to_target is None:
@@ -71,13 +83,27 @@ class DSparkDrafter(DFlashDrafter):
 
     def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
         """Logits [N, K'] of one position for rows whose previous tokens are ``previous`` [N], the head's next state
-        and what the confidence head reads."""
+        and what the confidence head reads; with ``markov_candidates``, only the backbone's top rows are rescored
+        and the others are -inf."""
+        if self.markov_candidates:
+            return self._rescored(logits, previous, hidden, state)
         bias, state, embedded = self._bias(previous, hidden, state, position)
         if bias is None:
             return logits, state, embedded
         biased = logits.clone()
         biased[:, :bias.shape[-1]] += bias.float()
         return biased, state, embedded
+
+    def _rescored(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state):
+        """The backbone's top ``markov_candidates`` rows of one position [1, K'] plus their Markov bias; -inf
+        elsewhere."""
+        latent, state, embedded = self.markov_head.latent(self.markov_ids[previous], hidden, state)
+        top = torch.topk(logits[0], min(self.markov_candidates, logits.shape[-1]))
+        known = top.indices < self.markov_rows.shape[0]  # the sequence's own rows past the head's get no bias
+        bias = (self.markov_rows[top.indices.clamp(max=self.markov_rows.shape[0] - 1)] @ latent[0]) * known
+        scores = logits.new_full(logits.shape, float("-inf"))
+        scores[0, top.indices] = top.values + bias.float()
+        return scores, state, embedded
 
     # -- a chain ------------------------------------------------------------------------------------------
 
@@ -269,12 +295,15 @@ class DFlash2Drafter(DSparkDrafter):
 
 
 def build(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,
-          sequence_tokens: bool = True, denoise_steps: int = 1) -> DSparkDrafter:
+          sequence_tokens: bool = True, denoise_steps: int = 1,
+          markov_candidates: int | None = MARKOV_CANDIDATES) -> DSparkDrafter:
     """A DSpark drafter for ``target`` (a ``Target``) from its checkpoint directory (DeepSpec's, SpecForge's or
-    vLLM speculators' layout)."""
+    vLLM speculators' layout); ``markov_candidates``: the backbone's top rows its Markov head rescores at each
+    position (None: all)."""
     return DSparkDrafter(load_dflash_model(directory), target.model, sample_drafts=sample_drafts,
                          denoise_steps=denoise_steps, packed=packed, draft_vocabulary=draft_vocabulary,
-                         sequence_tokens=sequence_tokens, draft_dtype="auto" if packed else None)
+                         sequence_tokens=sequence_tokens, draft_dtype="auto" if packed else None,
+                         markov_candidates=markov_candidates)
 
 
 def build_domino(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,

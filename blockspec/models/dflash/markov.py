@@ -86,18 +86,23 @@ class MarkovHead(nn.Module):
         """For rows whose previous tokens are ``previous`` [N] (head ids; -1: none the head knows) at positions
         of hidden states ``hidden`` [N, D]: the logit bias [N, vocabulary], the next state, and the previous
         tokens' embeddings [N, R] (zero for -1)."""
+        latent, state, embedded = self.latent(previous, hidden, state)
+        return self.markov_w2(latent), state, embedded
+
+    def latent(self, previous: torch.LongTensor, hidden: torch.Tensor, state: torch.Tensor | None):
+        """``step`` before its last projection: the bias is ``markov_w2`` of the first [N, R] (so the bias of a few
+        rows is those rows of ``markov_w2.weight`` times it)."""
         known = (previous >= 0).unsqueeze(-1)
         embedded = self.markov_w1(previous.clamp(min=0)) * known
         hidden = hidden.to(embedded.dtype)
         if self.kind == "gated":
-            embedded_in = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded], dim=-1))) * embedded
-            return self.markov_w2(embedded_in), state, embedded
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded], dim=-1))) * embedded, state, embedded
         if self.kind == "rnn":
             gate, candidate, output = self.joint_proj(torch.cat([state, embedded, hidden], dim=-1)).chunk(3, dim=-1)
             gate = torch.sigmoid(gate)
             state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-            return self.markov_w2(torch.tanh(output)), state, embedded
-        return self.markov_w2(embedded), state, embedded
+            return torch.tanh(output), state, embedded
+        return embedded, state, embedded
 
 
 class ConfidenceHead(nn.Module):
