@@ -46,10 +46,10 @@ class DraftMethod:
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("dflash", "checkpoint", ("DFlashDraftModel", "DFlashSpeculator"), "blockspec.drafters.dflash:build",
                 "a DFlash checkpoint directory", label="DFlash"),
-    DraftMethod("dspark", "checkpoint", ("DSparkDraftModel", "Qwen3DSparkModel"), "blockspec.drafters.chained:build",
-                "a DSpark checkpoint directory", label="DSpark"),
     DraftMethod("dflash2", "checkpoint", ("DFlash2DraftModel",), "blockspec.drafters.chained:build_dflash2",
                 "a DFlash2 checkpoint directory", label="DFlash2"),
+    DraftMethod("dspark", "checkpoint", ("DSparkDraftModel", "Qwen3DSparkModel"), "blockspec.drafters.chained:build",
+                "a DSpark checkpoint directory", label="DSpark"),
     DraftMethod("domino", "checkpoint", ("DominoDraftModel",), "blockspec.drafters.chained:build_domino",
                 "a Domino checkpoint directory", label="Domino"),
     DraftMethod("eagle3", "checkpoint", ("LlamaForCausalLMEagle3", "Eagle3Speculator"),
