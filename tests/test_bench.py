@@ -190,7 +190,8 @@ def test_method_and_draft_options():
     drafts = parse_drafts(["eagle3=/e", "mtp=/m", "draft=/d"], "some/target")
     assert parse_methods(None, drafts, None) == ["ar", "hf", "hf-prompt-lookup", "ngram", "suffix", "eagle3", "mtp",
                                                  "draft", "hf-assisted"]
-    with pytest.raises(BlockspecError, match="METHOD must be one of dflash, dflash2, dspark, domino, eagle3, mtp, draft"):
+    with pytest.raises(BlockspecError,
+                       match="METHOD must be one of dflash, dflash2, dspark, domino, eagle3, mtp, draft"):
         parse_drafts(["eagle=/e"], "some/target")
 
 

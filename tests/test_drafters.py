@@ -248,7 +248,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize("method,draft,options,message", [
-    ("eagle", None, {}, "unknown drafting method 'eagle'; choose one of dflash, dflash2, dspark, domino, eagle3, mtp, draft, ngram"),
+    ("eagle", None, {}, "unknown drafting method 'eagle'; choose one of dflash, dflash2, dspark, domino, eagle3, mtp, "
+                        "draft, ngram"),
     ("ar", None, {}, "'ar' decodes without a drafter"),
     ("dflash+ngram", "some/dir", {}, "it is now called 'dflash\\+lookup'"),
     ("dflash", None, {}, "the dflash method needs a draft: a DFlash checkpoint directory"),

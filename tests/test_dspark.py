@@ -46,14 +46,9 @@ def greedy(target, ids, drafter=None, **options):
     return decode(target, ids, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS, **options)).token_ids
 
 
-@pytest.mark.parametrize("candidates", [64, None], ids=["top-64-rescored", "every-row"])
-@pytest.mark.parametrize("anchor", [True, False], ids=["anchor-predicts", "masks-predict"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_greedy_chains_trees_and_batches_equal_plain_decoding(target, kind, anchor, candidates):
-    drafter = DSparkDrafter(make_dspark(target, kind=kind, anchor=anchor).double(), target,
-                            markov_candidates=candidates)
-    assert drafter.max_draft_tokens == (6 if anchor else 5)
-    cases = prompts(320, count=4, seed=5)
+def assert_greedy_equals_plain_decoding(target, drafter, seed: int) -> None:
+    """Chains of the drafter's full width, trees, and batches of chains and of trees, on four prompts."""
+    cases = prompts(320, count=4, seed=seed)
     expected = [greedy(target, ids) for ids in cases]
     for ids, reference in zip(cases, expected):
         assert greedy(target, ids, drafter, block_size=drafter.max_draft_tokens + 1) == reference
@@ -62,6 +57,16 @@ def test_greedy_chains_trees_and_batches_equal_plain_decoding(target, kind, anch
                    GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=6, tree_top_k=2)):
         rows = batch_generate(target, cases, drafter, config, max_batch_size=4)
         assert [row.token_ids for row in rows] == expected
+
+
+@pytest.mark.parametrize("candidates", [64, None], ids=["top-64-rescored", "every-row"])
+@pytest.mark.parametrize("anchor", [True, False], ids=["anchor-predicts", "masks-predict"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_chains_trees_and_batches_equal_plain_decoding(target, kind, anchor, candidates):
+    drafter = DSparkDrafter(make_dspark(target, kind=kind, anchor=anchor).double(), target,
+                            markov_candidates=candidates)
+    assert drafter.max_draft_tokens == (6 if anchor else 5)
+    assert_greedy_equals_plain_decoding(target, drafter, seed=5)
 
 
 def test_a_dflash_draft_whose_anchor_slot_predicts_decodes_losslessly(target):
@@ -73,9 +78,7 @@ def test_a_dflash_draft_whose_anchor_slot_predicts_decodes_losslessly(target):
     model.anchor_predicts = True
     drafter = DFlashDrafter(model, target)
     assert drafter.max_draft_tokens == 6
-    for ids in prompts(320, count=3, seed=8):
-        assert greedy(target, ids, drafter, block_size=7) == greedy(target, ids)
-        assert greedy(target, ids, drafter, tree_budget=8) == greedy(target, ids)
+    assert_greedy_equals_plain_decoding(target, drafter, seed=8)
 
 
 def test_rescoring_the_top_rows_drafts_as_the_whole_head_where_they_hold_its_best(target):
@@ -138,12 +141,22 @@ class IgnoresItsMarkovBias(DSparkDrafter):
         return hidden, base
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "rnn"])
-def test_sampled_output_follows_the_target_exactly(kind):
+SAMPLED_DRAFTERS = {
+    "dspark-vanilla": lambda target: DSparkDrafter(make_dspark(target, block_size=3, mask_token_id=7), target),
+    "dspark-rnn": lambda target: DSparkDrafter(make_dspark(target, kind="rnn", block_size=3, mask_token_id=7), target),
+    "domino": lambda target: DominoDrafter(make_domino(target, block_size=3, mask_token_id=7, gru=8, emb=8), target),
+    "dflash2": lambda target: DFlash2Drafter(make_dflash2(target, block_size=3, mask_token_id=7, group=8, top_k=3),
+                                             target),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLED_DRAFTERS)
+def test_sampled_output_follows_the_target_exactly(name):
+    """Each position drawn from its distribution given the drafts before it, and that q given to the verifier."""
     target = small_target()
-    drafter = DSparkDrafter(make_dspark(target, kind=kind, block_size=3, mask_token_id=7), target)
+    drafter = SAMPLED_DRAFTERS[name](target)
     sampling = SamplingConfig(temperature=1.0)
-    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=4)
+    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=drafter.max_draft_tokens + 1)
     assert chi_square_pvalue(counts, exact_joint(target, sampling), SAMPLES) > PASS
 
 
@@ -163,14 +176,20 @@ def drafted(target, model, ids):
     return drafter.propose(drafter.start(ids, _features(target, drafter, ids)), 5, 6, SamplingConfig(), None)
 
 
-def as_speculators(ours, directory):
-    """Our saved DSpark draft rewritten as speculators' trainer writes one (layer config nested, 1-based layers)."""
+def copied_weights(ours, directory):
+    """A new draft directory with ``ours``'s files but its config.json; ``ours``'s config and its dflash_config."""
     config = json.loads((ours / "config.json").read_text())
     nested = config.pop("dflash_config")
     directory.mkdir()
     for file in ours.iterdir():
         if file.name != "config.json":
             (directory / file.name).write_bytes(file.read_bytes())
+    return config, nested
+
+
+def as_speculators(ours, directory):
+    """Our saved DSpark draft rewritten as speculators' trainer writes one (layer config nested, 1-based layers)."""
+    config, nested = copied_weights(ours, directory)
     speculators = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
                    "transformer_layer_config": {k: v for k, v in config.items() if k not in (
                        "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
@@ -185,12 +204,7 @@ def as_speculators(ours, directory):
 
 def as_flat_deepspec(ours, directory):
     """DeepSpec's flat layout: DSpark's architecture name, the read layers as 1-based hidden-state indices."""
-    config = json.loads((ours / "config.json").read_text())
-    nested = config.pop("dflash_config")
-    directory.mkdir()
-    for file in ours.iterdir():
-        if file.name != "config.json":
-            (directory / file.name).write_bytes(file.read_bytes())
+    config, nested = copied_weights(ours, directory)
     config.update(architectures=["Qwen3DSparkModel"], block_size=nested["block_size"],
                   mask_token_id=nested["mask_token_id"],
                   aux_hidden_state_layer_ids=[i + 1 for i in nested["target_layer_ids"]])
@@ -240,29 +254,13 @@ def test_a_missing_confidence_head_is_refused_not_initialised(target, tmp_path):
         load_dflash_model(tmp_path / "draft")
 
 
-def test_a_dspark_draft_is_not_run_as_plain_dflash(target):
-    from blockspec.drafters.dflash import DFlashDrafter
-
-    with pytest.raises(BlockspecError, match="--method dspark"):
-        DFlashDrafter(make_dspark(target).double(), target)
-    with pytest.raises(BlockspecError, match="denoise_steps is for DFlash drafters"):
-        DSparkDrafter(make_dspark(target).double(), target, denoise_steps=2)
-
-
 # -- Domino --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("anchor,prefix", [(False, 0), (True, 0), (False, 2)],
                          ids=["masks-predict", "anchor-predicts", "uncorrected-prefix"])
 def test_domino_greedy_chains_trees_and_batches_equal_plain_decoding(target, anchor, prefix):
     drafter = DominoDrafter(make_domino(target, anchor=anchor, prefix=prefix).double(), target)
-    cases = prompts(320, count=4, seed=6)
-    expected = [greedy(target, ids) for ids in cases]
-    for ids, reference in zip(cases, expected):
-        assert greedy(target, ids, drafter, block_size=drafter.max_draft_tokens + 1) == reference
-        assert greedy(target, ids, drafter, tree_budget=8, tree_top_k=3) == reference
-    rows = batch_generate(target, cases, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=6),
-                          max_batch_size=4)
-    assert [row.token_ids for row in rows] == expected
+    assert_greedy_equals_plain_decoding(target, drafter, seed=6)
 
 
 def test_the_domino_correction_is_the_gru_over_the_tokens_before_each_position(target):
@@ -283,14 +281,6 @@ def test_the_domino_correction_is_the_gru_over_the_tokens_before_each_position(t
     assert not torch.allclose(logits[1:], base[1:], atol=1e-2)  # the correction is not negligible
 
 
-def test_domino_sampled_output_follows_the_target_exactly():
-    target = small_target()
-    drafter = DominoDrafter(make_domino(target, block_size=3, mask_token_id=7, gru=8, emb=8), target)
-    sampling = SamplingConfig(temperature=1.0)
-    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=3)
-    assert chi_square_pvalue(counts, exact_joint(target, sampling), SAMPLES) > PASS
-
-
 @pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DominoDraftModel"])
 def test_a_domino_draft_loads_by_its_layout_and_drafts_as_saved(target, tmp_path, architecture):
     save_dflash_model(make_domino(target).float(), tmp_path / "draft")
@@ -304,41 +294,13 @@ def test_a_domino_draft_loads_by_its_layout_and_drafts_as_saved(target, tmp_path
     assert got.tokens.tolist() == want.tokens.tolist()
 
 
-@pytest.mark.parametrize("nested,message", [
-    ({"projector_type": "mlp"}, "projector_type 'mlp' is not one blockspec runs"),
-    ({"gru_hidden_dim": None}, "needs dflash_config.gru_hidden_dim"),
-    ({"pure_draft_prefix_len": -1}, "pure_draft_prefix_len must be a whole number >= 0"),
-])
-def test_a_domino_config_blockspec_cannot_honour_is_refused_by_name(target, tmp_path, nested, message):
-    save_dflash_model(make_domino(target).float(), tmp_path / "draft")
-    config = json.loads((tmp_path / "draft" / "config.json").read_text())
-    config["dflash_config"].update(nested)
-    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=message):
-        load_dflash_model(tmp_path / "draft")
-
-
-def test_a_domino_draft_is_not_run_as_plain_dflash(target):
-    from blockspec.drafters.dflash import DFlashDrafter
-
-    with pytest.raises(BlockspecError, match="--method domino"):
-        DFlashDrafter(make_domino(target).double(), target)
-
-
 # -- DFlash2 ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("anchor", [False, True], ids=["masks-predict", "anchor-predicts"])
 def test_dflash2_greedy_chains_trees_and_batches_equal_plain_decoding(target, anchor):
     drafter = DFlash2Drafter(make_dflash2(target, anchor=anchor, attention_value_scale=0.7, input_embedding_scale=1.3,
                                           output_multiplier=0.8, final_logit_softcapping=20.0).double(), target)
-    cases = prompts(320, count=4, seed=7)
-    expected = [greedy(target, ids) for ids in cases]
-    for ids, reference in zip(cases, expected):
-        assert greedy(target, ids, drafter, block_size=drafter.max_draft_tokens + 1) == reference
-        assert greedy(target, ids, drafter, tree_budget=8, tree_top_k=3) == reference
-    rows = batch_generate(target, cases, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS, tree_budget=6),
-                          max_batch_size=4)
-    assert [row.token_ids for row in rows] == expected
+    assert_greedy_equals_plain_decoding(target, drafter, seed=7)
 
 
 def test_the_selector_walks_each_positions_candidates_given_the_token_before(target):
@@ -392,21 +354,8 @@ def test_dflash2_scalars_are_honoured(target):
         assert not torch.allclose(base_logits(**{scalar: 1.7}), plain)
 
 
-def test_dflash2_sampled_output_follows_the_target_exactly():
-    target = small_target()
-    drafter = DFlash2Drafter(make_dflash2(target, block_size=3, mask_token_id=7, group=8, top_k=3), target)
-    sampling = SamplingConfig(temperature=1.0)
-    counts = sampled_joint(target, drafter, sampling, SAMPLES, block_size=3)
-    assert chi_square_pvalue(counts, exact_joint(target, sampling), SAMPLES) > PASS
-
-
 def as_speculators_dflash2(ours, directory):
-    config = json.loads((ours / "config.json").read_text())
-    nested = config.pop("dflash_config")
-    directory.mkdir()
-    for file in ours.iterdir():
-        if file.name != "config.json":
-            (directory / file.name).write_bytes(file.read_bytes())
+    config, nested = copied_weights(ours, directory)
     layer = {k: v for k, v in config.items() if k not in ("architectures", "is_causal", "sample_from_anchor")}
     speculators = {"speculators_model_type": "dflash2", "architectures": ["DFlash2DraftModel"],
                    "transformer_layer_config": layer, "sliding_window_non_causal": True,
@@ -429,13 +378,19 @@ def test_dflash2_layouts_load_and_draft_as_saved(target, tmp_path):
         assert got.tokens.tolist() == want.tokens.tolist()
 
 
-@pytest.mark.parametrize("nested,message", [
-    ({"selector_top_k": None}, "needs dflash_config.selector_top_k"),
-    ({"conv_group_size": 7}, "conv_group_size 7 must divide hidden_size"),
-    ({"selector_rank": 0}, "selector_rank must be a whole number >= 1"),
+# -- refusals shared by the families ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("make,nested,message", [
+    (make_domino, {"projector_type": "mlp"}, "projector_type 'mlp' is not one blockspec runs"),
+    (make_domino, {"gru_hidden_dim": None}, "needs dflash_config.gru_hidden_dim"),
+    (make_domino, {"pure_draft_prefix_len": -1}, "pure_draft_prefix_len must be a whole number >= 0"),
+    (make_dflash2, {"selector_top_k": None}, "needs dflash_config.selector_top_k"),
+    (make_dflash2, {"conv_group_size": 7}, "conv_group_size 7 must divide hidden_size"),
+    (make_dflash2, {"selector_rank": 0}, "selector_rank must be a whole number >= 1"),
 ])
-def test_a_dflash2_config_blockspec_cannot_honour_is_refused_by_name(target, tmp_path, nested, message):
-    save_dflash_model(make_dflash2(target).float(), tmp_path / "draft")
+def test_a_dflash_config_of_a_family_blockspec_cannot_honour_is_refused_by_name(target, tmp_path, make, nested,
+                                                                                 message):
+    save_dflash_model(make(target).float(), tmp_path / "draft")
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     config["dflash_config"].update(nested)
     (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
@@ -443,8 +398,16 @@ def test_a_dflash2_config_blockspec_cannot_honour_is_refused_by_name(target, tmp
         load_dflash_model(tmp_path / "draft")
 
 
-def test_a_dflash2_draft_is_not_run_as_plain_dflash(target):
+@pytest.mark.parametrize("make,method", [(make_dspark, "dspark"), (make_domino, "domino"), (make_dflash2, "dflash2")])
+def test_a_chained_draft_is_run_by_its_own_method_only(target, make, method):
     from blockspec.drafters.dflash import DFlashDrafter
+    from blockspec.drafters.registry import METHODS
 
-    with pytest.raises(BlockspecError, match="--method dflash2"):
-        DFlashDrafter(make_dflash2(target).double(), target)
+    with pytest.raises(BlockspecError, match=f"--method {method}"):
+        DFlashDrafter(make(target).double(), target)
+    drafter_class = {"dspark": DSparkDrafter, "domino": DominoDrafter, "dflash2": DFlash2Drafter}[method]
+    with pytest.raises(BlockspecError, match=f"denoise_steps is for DFlash drafters: a {METHODS[method].label} draft"):
+        drafter_class(make(target).double(), target, denoise_steps=2)
+    other = make_dspark if make is not make_dspark else make_domino
+    with pytest.raises(BlockspecError, match="run it as a DFlash drafter"):
+        drafter_class(other(target).double(), target)

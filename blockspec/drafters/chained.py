@@ -40,17 +40,27 @@ class DSparkDrafter(DFlashDrafter):
     #: None: the head's bias over every row (Domino's head is always applied whole).
     markov_candidates: int | None = None
 
+    #: The head the draft must have, for the error when it has none.
+    head_needed = "Markov head (markov_rank is 0)"
+
     def __init__(self, model: DFlashDraftModel, target_model, **options):
-        if model.markov_head is None:
-            raise BlockspecError("this draft has no Markov head (markov_rank is 0): run it as a DFlash drafter "
-                                 "(--method dflash)")
+        if not self.has_head(model):
+            raise BlockspecError(f"this draft has no {self.head_needed}: run it as a DFlash drafter (--method dflash)")
         if options.get("denoise_steps", 1) != 1:
             raise BlockspecError(f"denoise_steps is for DFlash drafters: a {self.label} draft chains its block's "
                                  "positions through its head in one pass")
         candidates = options.pop("markov_candidates", MARKOV_CANDIDATES)
         super().__init__(model, target_model, **options)
-        self.markov_head = self.model.markov_head
         self.confidence_head = self.model.confidence_head
+        self.attach(model, candidates)
+
+    @staticmethod
+    def has_head(model: DFlashDraftModel) -> bool:
+        return model.markov_head is not None
+
+    def attach(self, model: DFlashDraftModel, candidates: int | None) -> None:
+        """Keep what drafting with the draft's head needs."""
+        self.markov_head = self.model.markov_head
         self.markov_candidates = candidates
         #: The bias projection's rows, as the draft keeps them (the drafter's kernels may pack the layer).
         self.markov_rows = model.markov_head.markov_w2.weight
@@ -231,17 +241,14 @@ class DominoDrafter(DSparkDrafter):
 
     name = "domino"
     label = "Domino"
+    head_needed = "Domino head (dflash_config.projector_type 'domino')"
 
-    def __init__(self, model: DFlashDraftModel, target_model, **options):
-        if model.domino_head is None:
-            raise BlockspecError("this draft has no Domino head (dflash_config.projector_type 'domino'): run it as a "
-                                 "DFlash drafter (--method dflash)")
-        if options.get("denoise_steps", 1) != 1:
-            raise BlockspecError("denoise_steps is for DFlash drafters: a Domino draft chains its block's positions "
-                                 "through its head in one pass")
-        DFlashDrafter.__init__(self, model, target_model, **options)
+    @staticmethod
+    def has_head(model: DFlashDraftModel) -> bool:
+        return model.domino_head is not None
+
+    def attach(self, model: DFlashDraftModel, candidates: int | None) -> None:
         self.domino_head = self.model.domino_head
-        self.confidence_head = None
         #: With a reduced vocabulary, the columns of the correction (over the target's whole vocabulary, as the public
         #: layout has it) that the draft's rows score.
         self.correction_rows = self.draft_to_target
@@ -262,17 +269,14 @@ class DFlash2Drafter(DSparkDrafter):
 
     name = "dflash2"
     label = "DFlash2"
+    head_needed = "candidate selector (dflash_config.selector_rank)"
 
-    def __init__(self, model: DFlashDraftModel, target_model, **options):
-        if model.candidate_selector is None:
-            raise BlockspecError("this draft has no candidate selector (dflash_config.selector_rank): run it as a "
-                                 "DFlash drafter (--method dflash)")
-        if options.get("denoise_steps", 1) != 1:
-            raise BlockspecError("denoise_steps is for DFlash drafters: a DFlash2 draft's selector walks its block "
-                                 "in one pass")
-        DFlashDrafter.__init__(self, model, target_model, **options)
+    @staticmethod
+    def has_head(model: DFlashDraftModel) -> bool:
+        return model.candidate_selector is not None
+
+    def attach(self, model: DFlashDraftModel, candidates: int | None) -> None:
         self.selector = self.model.candidate_selector
-        self.confidence_head = None
 
     def initial_state(self, hidden: torch.Tensor):
         return None

@@ -127,7 +127,9 @@ class DFlashTraining:
     def feature_layers(self, model):
         return list(model.target_layer_ids)
 
-    def loss(self, forward, model, batch, target, config, generator):
+    def blocks_and_hidden(self, forward, model, batch, target, config, generator, frozen: bool = False):
+        """The micro-batch's random anchored blocks and the drafter's final hidden states over them (without
+        gradients when the backbone is ``frozen``)."""
         from blockspec.training.anchors import build_blocks
 
         blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=config.block_size,
@@ -136,8 +138,14 @@ class DFlashTraining:
         device = target.model.device
         with torch.no_grad():
             block_embeddings = target.model.get_input_embeddings()(blocks.block_ids.to(device))
-        hidden = forward(block_embeddings, blocks.block_positions.to(device), batch.features.to(device),
-                         blocks.context_positions.to(device), attention_mask=blocks.attention_mask.to(device))
+        with torch.no_grad() if frozen else nullcontext():
+            hidden = forward(block_embeddings, blocks.block_positions.to(device), batch.features.to(device),
+                             blocks.context_positions.to(device), attention_mask=blocks.attention_mask.to(device))
+        return blocks, hidden
+
+    def loss(self, forward, model, batch, target, config, generator):
+        blocks, hidden = self.blocks_and_hidden(forward, model, batch, target, config, generator)
+        device = target.model.device
         # Only supervised positions go through the LM head: the anchors, unused slots and positions
         # past the sequence's end carry weight 0, and the vocabulary-wide head is the costliest step.
         supervised = blocks.weights > 0
@@ -220,17 +228,9 @@ class DSparkTraining(DFlashTraining):
         return {**weights, **fresh}
 
     def loss(self, forward, model, batch, target, config, generator):
-        from blockspec.training.anchors import build_blocks
-
-        blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=config.block_size,
-                              num_anchors=config.anchors_per_sequence, mask_token_id=model.mask_token_id,
-                              gamma=config.loss_gamma, generator=generator, random_anchors=config.random_anchors)
+        blocks, hidden = self.blocks_and_hidden(forward, model, batch, target, config, generator,
+                                                frozen=config.freeze_backbone)
         device = target.model.device
-        with torch.no_grad():
-            block_embeddings = target.model.get_input_embeddings()(blocks.block_ids.to(device))
-        with torch.no_grad() if config.freeze_backbone else nullcontext():
-            hidden = forward(block_embeddings, blocks.block_positions.to(device), batch.features.to(device),
-                             blocks.context_positions.to(device), attention_mask=blocks.attention_mask.to(device))
         supervised = (blocks.weights > 0).to(device)
         labels, weights = blocks.labels.to(device)[supervised], blocks.weights.to(device)[supervised]
         # the token before each slot is the label of the slot before it (the anchor's token for the first)
