@@ -44,7 +44,7 @@ class DSparkDrafter(DFlashDrafter):
     head_needed = "Markov head (markov_rank is 0)"
 
     def __init__(self, model: DFlashDraftModel, target_model, **options):
-        if not self.has_head(model):
+        if model.method != self.name:
             raise BlockspecError(f"this draft has no {self.head_needed}: run it as a DFlash drafter (--method dflash)")
         if options.get("denoise_steps", 1) != 1:
             raise BlockspecError(f"denoise_steps is for DFlash drafters: a {self.label} draft chains its block's "
@@ -53,10 +53,6 @@ class DSparkDrafter(DFlashDrafter):
         super().__init__(model, target_model, **options)
         self.confidence_head = self.model.confidence_head
         self.attach(model, candidates)
-
-    @staticmethod
-    def has_head(model: DFlashDraftModel) -> bool:
-        return model.markov_head is not None
 
     def attach(self, model: DFlashDraftModel, candidates: int | None) -> None:
         """Keep what drafting with the draft's head needs."""
@@ -91,10 +87,11 @@ class DSparkDrafter(DFlashDrafter):
         previous tokens are ``previous`` [N] (target ids), its next state, and what the confidence head reads."""
         return self.markov_head.step(self.markov_ids[previous], hidden, state)
 
-    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
-        """Logits [N, K'] of one position for rows whose previous tokens are ``previous`` [N], the head's next state
-        and what the confidence head reads; with ``markov_candidates``, only the backbone's top rows are rescored
-        and the others are -inf."""
+    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int,
+              row_ids: torch.LongTensor | None):
+        """Logits [N, K'] of one position (rows ``row_ids`` of the target's vocabulary; None: all of it) for rows whose
+        previous tokens are ``previous`` [N], the head's next state and what the confidence head reads; with
+        ``markov_candidates``, only the backbone's top rows are rescored and the others are -inf."""
         if self.markov_candidates:
             return self._rescored(logits, previous, hidden, state)
         bias, state, embedded = self._bias(previous, hidden, state, position)
@@ -124,8 +121,8 @@ class DSparkDrafter(DFlashDrafter):
         hidden, base = self._backbone(state, int(last_token), num_tokens)
         row_ids = self.row_ids(state)
         sampled = not sampling.greedy and self.sample_drafts
-        tokens, probs, confidences = self._chain(hidden, base, int(last_token), row_ids,
-                                                 sampling if sampled else None, generator)
+        tokens, probs, confidences, _ = self._chain(hidden, base, int(last_token), row_ids,
+                                                    sampling if sampled else None, generator)
         if not sampled:
             return Proposal(tokens, confidence=confidences)
         # a sampled draft's confidence must not depend on its draws: the backbone's own peak at each position
@@ -133,13 +130,15 @@ class DSparkDrafter(DFlashDrafter):
                         confidence=torch.softmax(base, dim=-1).amax(dim=-1))
 
     def _chain(self, hidden, base, last_token: int, row_ids, sampling, generator):
-        """Draft the positions one after another: (target ids [n], q [n, K'] or None, confidences [n])."""
+        """Draft the positions one after another (greedily when ``sampling`` is None): target ids [n], q [n, K'] (None
+        when greedy), confidences [n] (None when sampled), and each position's logits [n, K'] given the drafts
+        before it."""
         previous = torch.tensor([last_token], device=self.device)
         markov_state = self.initial_state(hidden)
-        tokens, probs, confidences = [], [], []
+        tokens, probs, confidences, rows = [], [], [], []
         for position in range(base.shape[0]):
             logits, markov_state, embedded = self._step(base[position:position + 1], previous,
-                                                        hidden[position:position + 1], markov_state, position)
+                                                        hidden[position:position + 1], markov_state, position, row_ids)
             if sampling is None:
                 row = logits.argmax(dim=-1)
                 confidences.append(self._confidence(logits, row, hidden[position:position + 1], embedded))
@@ -149,8 +148,9 @@ class DSparkDrafter(DFlashDrafter):
                 probs.append(q)
             previous = self._target_ids(row, row_ids)
             tokens.append(previous)
+            rows.append(logits)
         confidence = torch.cat(confidences) if confidences else None
-        return torch.cat(tokens), torch.cat(probs) if probs else None, confidence
+        return torch.cat(tokens), torch.cat(probs) if probs else None, confidence, torch.cat(rows)
 
     def _confidence(self, logits, row, hidden, embedded) -> torch.Tensor:
         """The chance the draft is accepted: the confidence head's where the draft ships one, else its probability."""
@@ -163,23 +163,7 @@ class DSparkDrafter(DFlashDrafter):
         """Logits [n, K'] of the greedy chain's positions, each given the drafts before it."""
         hidden, base = self._backbone(state, int(last_token), num_tokens)
         row_ids = self.row_ids(state)
-        previous = torch.tensor([int(last_token)], device=self.device)
-        markov_state = self.initial_state(hidden)
-        rows = []
-        for position in range(num_tokens):
-            logits, markov_state, _ = self._step(base[position:position + 1], previous,
-                                                 hidden[position:position + 1], markov_state, position)
-            rows.append(logits)
-            previous = self._target_ids(logits.argmax(dim=-1), row_ids)
-        return torch.cat(rows), row_ids
-
-    @torch.inference_mode()
-    def draft_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
-        logits, row_ids = self.row_logits(state, last_token, num_tokens)
-        if row_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, row_ids, logits)
+        return self._chain(hidden, base, int(last_token), row_ids, None, None)[3], row_ids
 
     def rows_logits(self, states, last_tokens, num_tokens):
         return [self.row_logits(state, token, num_tokens) for state, token in zip(states, last_tokens)]
@@ -214,7 +198,7 @@ class DSparkDrafter(DFlashDrafter):
             """Score the children of ``node`` (a target token at depth ``level``) and put them in the frontier."""
             nonlocal counter
             logits, child_state, _ = self._step(base[level:level + 1], torch.tensor([token], device=self.device),
-                                                hidden[level:level + 1], markov_state, level)
+                                                hidden[level:level + 1], markov_state, level, row_ids)
             probs = torch.softmax(logits[0], dim=-1)
             top = torch.topk(probs, min(top_k, probs.shape[-1]))
             for probability, row in zip(top.values.tolist(), top.indices.tolist()):
@@ -243,23 +227,16 @@ class DominoDrafter(DSparkDrafter):
     label = "Domino"
     head_needed = "Domino head (dflash_config.projector_type 'domino')"
 
-    @staticmethod
-    def has_head(model: DFlashDraftModel) -> bool:
-        return model.domino_head is not None
-
     def attach(self, model: DFlashDraftModel, candidates: int | None) -> None:
         self.domino_head = self.model.domino_head
-        #: With a reduced vocabulary, the columns of the correction (over the target's whole vocabulary, as the public
-        #: layout has it) that the draft's rows score.
-        self.correction_rows = self.draft_to_target
 
     def initial_state(self, hidden: torch.Tensor):
         return self.domino_head.initial_state(1, hidden)
 
     def _bias(self, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
         bias, state = self.domino_head.step(self.embed_tokens(previous), hidden, state, position)
-        if bias is not None and self.correction_rows is not None:
-            bias = bias[:, self.correction_rows]
+        if bias is not None and self.draft_to_target is not None:  # the correction is over the target's vocabulary
+            bias = bias[:, self.draft_to_target]
         return bias, state, None
 
 
@@ -271,31 +248,19 @@ class DFlash2Drafter(DSparkDrafter):
     label = "DFlash2"
     head_needed = "candidate selector (dflash_config.selector_rank)"
 
-    @staticmethod
-    def has_head(model: DFlashDraftModel) -> bool:
-        return model.candidate_selector is not None
-
     def attach(self, model: DFlashDraftModel, candidates: int | None) -> None:
         self.selector = self.model.candidate_selector
 
     def initial_state(self, hidden: torch.Tensor):
         return None
 
-    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int):
+    def _step(self, logits: torch.Tensor, previous: torch.LongTensor, hidden: torch.Tensor, state, position: int,
+              row_ids: torch.LongTensor | None):
         """The position's top-k candidates (by the backbone's logits [1, K']) rescored given the token before them;
         every other row -inf."""
         top = torch.topk(logits, min(self.selector.top_k, logits.shape[-1]), dim=-1)
-        candidates = top.indices if self._row_ids is None else self._row_ids[top.indices]
-        scores = top.values + self.selector.edges(previous, hidden, candidates).float()
+        scores = top.values + self.selector.edges(previous, hidden, self._target_ids(top.indices, row_ids)).float()
         return logits.new_full(logits.shape, float("-inf")).scatter_(-1, top.indices, scores), state, None
-
-    def _backbone(self, state: DFlashState, last_token: int, num_tokens: int):
-        self._row_ids = self.row_ids(state)
-        return super()._backbone(state, last_token, num_tokens)
-
-    def _tree(self, hidden, base, last_token: int, row_ids, budget: int, top_k: int):
-        self._row_ids = row_ids
-        return super()._tree(hidden, base, last_token, row_ids, budget, top_k)
 
 
 def build(directory, target, *, sample_drafts: bool = True, packed: bool = False, draft_vocabulary=None,

@@ -84,22 +84,16 @@ class DFlashDrafter(PositionwiseDrafter):
     """
 
     name = "dflash"
-    #: Whether it runs a head that chains the block's positions (DSpark's, Domino's): a plain DFlash drafter refuses
-    #: a draft that has one.
+    #: Whether it runs a head that chains the block's positions (DSpark's, Domino's, DFlash2's selector): a plain
+    #: DFlash drafter refuses a draft that has one.
     chains_positions = False
 
     def __init__(self, model: DFlashDraftModel, target_model, *, sample_drafts: bool = True,
                  denoise_steps: int = 1, packed: bool = False, draft_vocabulary=None,
                  sequence_tokens: bool = True, max_sequence_rows: int = MAX_SEQUENCE_ROWS, draft_dtype=None):
-        if model.markov_head is not None and not self.chains_positions:
-            raise BlockspecError("this is a DSpark draft (a Markov head chains its block's positions): run it with "
-                                 "--method dspark")
-        if model.candidate_selector is not None and not self.chains_positions:
-            raise BlockspecError("this is a DFlash2 draft (a selector walks its block's candidates): run it with "
-                                 "--method dflash2")
-        if model.domino_head is not None and not self.chains_positions:
-            raise BlockspecError("this is a Domino draft (a GRU head chains its block's positions): run it with "
-                                 "--method domino")
+        if model.method != "dflash" and not self.chains_positions:
+            raise BlockspecError(f"this draft's {model.method} head chains its block's positions: run it with "
+                                 f"--method {model.method}")
         check_fits_target(model, target_model.config)
         if draft_vocabulary is not None:
             model.compress_vocabulary(draft_vocabulary, target_model.get_output_embeddings().weight)
@@ -211,8 +205,7 @@ class DFlashDrafter(PositionwiseDrafter):
     def draft_logits(self, state: DFlashState, last_token: int, num_tokens: int) -> torch.Tensor:
         """Logits [num_tokens, V] for the positions after ``last_token`` (-inf outside a reduced draft
         vocabulary and the sequence's own tokens)."""
-        logits = self.head_logits(state, last_token, num_tokens)
-        row_ids = self.row_ids(state)
+        logits, row_ids = self.row_logits(state, last_token, num_tokens)
         if row_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))

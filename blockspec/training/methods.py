@@ -14,12 +14,10 @@ calls one ``TrainingMethod``:
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -185,8 +183,9 @@ class DFlashTraining:
         return DFlashDrafter(copy.deepcopy(model), target.model)
 
     def write(self, model, directory, target):
-        model.config.architectures = ["DFlashDraftModel"]
-        model.save_pretrained(directory, safe_serialization=True)
+        from blockspec.models.dflash.checkpoint import write_dflash_model
+
+        write_dflash_model(model, directory)
 
 
 #: Markov head rank when --markov-rank is not given.
@@ -256,14 +255,6 @@ class DSparkTraining(DFlashTraining):
         from blockspec.drafters.chained import DSparkDrafter
 
         return DSparkDrafter(copy.deepcopy(model), target.model)
-
-    def write(self, model, directory, target):
-        from blockspec.models.dflash.checkpoint import DSPARK_ARCHITECTURES
-
-        model.save_pretrained(directory, safe_serialization=True)
-        config = Path(directory) / "config.json"
-        config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": [DSPARK_ARCHITECTURES[0]]},
-                                     indent=2))
 
 
 def block_loss(losses: torch.Tensor, hits: torch.BoolTensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:

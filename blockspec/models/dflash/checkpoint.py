@@ -275,17 +275,18 @@ def check_fits_target(model: DFlashDraftModel, target_config, *, draft_name: str
 
 
 def save_dflash_model(model: DFlashDraftModel, directory) -> None:
-    """Save in the public layout, atomically (a mask embedding of its own beside the weights): DSpark's name for a
-    drafter with a Markov head, DFlash2's for one with a candidate selector."""
+    """Save in the public layout, atomically (``write_dflash_model`` into a temporary directory)."""
+    save_atomically(lambda tmp: write_dflash_model(model, tmp), directory)
+
+
+def write_dflash_model(model: DFlashDraftModel, directory) -> None:
+    """Write the public layout into ``directory`` (a mask embedding of its own beside the weights): DSpark's name for
+    a drafter with a Markov head, DFlash2's for one with a candidate selector."""
     architecture = DSPARK_ARCHITECTURES[0] if model.markov_head is not None else \
         "DFlash2DraftModel" if model.candidate_selector is not None else "DFlashDraftModel"
-
-    def write(tmp):
-        model.save_pretrained(tmp, safe_serialization=True)
-        config = Path(tmp) / "config.json"  # save_pretrained names the class; a DSpark draft goes by its own name
-        config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": [architecture]}, indent=2))
-        if model.mask_embedding is not None:
-            torch.save({"embedding": model.mask_embedding.detach().cpu(), "mask_token_id": int(model.mask_token_id)},
-                       Path(tmp) / MASK_EMBEDDING_FILE)
-
-    save_atomically(write, directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    config = Path(directory) / "config.json"  # save_pretrained names the class; a DSpark draft goes by its own name
+    config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": [architecture]}, indent=2))
+    if model.mask_embedding is not None:
+        torch.save({"embedding": model.mask_embedding.detach().cpu(), "mask_token_id": int(model.mask_token_id)},
+                   Path(directory) / MASK_EMBEDDING_FILE)

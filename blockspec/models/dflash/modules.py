@@ -292,6 +292,16 @@ class DFlashDraftModel(DraftVocabulary, Qwen3PreTrainedModel):
         return self.lm_head is not None
 
     @property
+    def method(self) -> str:
+        """The drafting method its heads need: dspark (a Markov head), domino (a GRU head), dflash2 (a candidate
+        selector), or dflash."""
+        if self.markov_head is not None:
+            return "dspark"
+        if self.domino_head is not None:
+            return "domino"
+        return "dflash2" if self.candidate_selector is not None else "dflash"
+
+    @property
     def max_draft_tokens(self) -> int:
         """The tokens one block drafts at most."""
         return self.block_size if self.anchor_predicts else self.block_size - 1
