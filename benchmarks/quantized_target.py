@@ -1,19 +1,20 @@
-"""Fewer bytes a token: the target at fp32 and with --quantize fp16, side by side in one process.
+"""Fewer bytes a token: the target at fp32 and with --quantize fp16 / int8 / int4, side by side in one process.
 
 Two parts, both printed as tables and written as JSON under --out:
 
 1. Products: each linear layer shape of the target at 1, 4 and 16 rows through every CPU kernel
-   PyTorch offers for it: fp32 oneDNN-packed (the fast path's), fp16 weights through FBGEMM
-   (--quantize fp16), PyTorch's int8 and int4 weight-only kernels (what torchao's CPU layouts call),
-   and FBGEMM's int8 with per-token int8 activations. Medians of --repeats calls.
+   there is for it: fp32 oneDNN-packed (the fast path's), fp16 weights through FBGEMM
+   (--quantize fp16), blockspec's Q8_0 / Q4_1 weight-only kernel (--quantize int8 / int4),
+   PyTorch's int8 and int4 weight-only kernels (what torchao's CPU layouts call), and FBGEMM's int8
+   with per-token int8 activations. Medians of --repeats calls.
 2. Decoding: every prompt decoded greedily, interleaved prompt by prompt: HF ``generate`` (eager,
-   fp32: the baseline a user runs), blockspec AR and DFlash at fp32, and AR and DFlash on the fp16
-   target (the same fast path: static cache, compiled width buckets). Each precision's DFlash
-   output must equal that precision's AR output token for token; how often the fp16 target's greedy
-   answer equals the fp32 target's is reported beside it.
+   at fp32: the baseline a user runs, and on each quantized model), blockspec AR and DFlash at each
+   precision (the same fast path: static cache, compiled width buckets). Each precision's DFlash
+   output must equal that precision's AR output token for token; how often a quantized target's
+   greedy answer equals the fp32 target's is reported beside it.
 
     .venv/bin/python benchmarks/quantized_target.py --num-prompts 6 --max-new-tokens 128 \\
-        --out benchmarks/results/quantized-fp16
+        --out benchmarks/results/quantized
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from blockspec.drafters.registry import build_drafter, shipped_draft
 from blockspec.hub import DEFAULT_TARGET
 from blockspec.io import write_text_atomically
 from blockspec.models.target import load_target
+from blockspec.models.weight_only import WeightOnlyLinear
 
-PRECISIONS = ("none", "fp16")
+PRECISIONS = ("none", "fp16", "int8", "int4")
 ROWS = (1, 4, 16)
 
 
@@ -51,6 +53,8 @@ def parse_args():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--tree-budget", type=int, default=16, help="DFlash's token tree (0: a chain)")
     parser.add_argument("--repeats", type=int, default=30, help="calls per product timing")
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS,
+                        help="targets to decode with (none: fp32, always included)")
     parser.add_argument("--skip-products", action="store_true")
     parser.add_argument("--out", default=None, help="write results.json and results.md here")
     return parser.parse_args()
@@ -95,9 +99,14 @@ def _kernels(weight: torch.Tensor) -> dict:
         return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x / peak, 1 / 127, 128,
                                                                                  fbgemm_int8) * peak
 
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    linear.weight.data.copy_(weight)
+    q8, q4 = WeightOnlyLinear(linear, 8), WeightOnlyLinear(linear, 4)
     return {
         "fp32 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
         "fp16 FBGEMM": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fp16),
+        "int8 Q8_0 (blockspec)": q8,
+        "int4 Q4_1 (blockspec)": q4,
         "int8 weight-only (aten)": lambda x: torch.ops.aten._weight_int8pack_mm(x, int8, scales),
         "int4 weight-only (aten)": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4_packed, group,
                                                                                         scale_zero),
@@ -138,15 +147,21 @@ def chat(target, row):
     return [{"role": "user", "content": text}] if target.tokenizer.chat_template else text
 
 
+def label_of(precision: str) -> str:
+    return "fp32" if precision == "none" else precision
+
+
 def decode_all(args) -> list[dict]:
-    targets = {precision: load_target(args.target, quantize=precision) for precision in PRECISIONS}
+    precisions = ["none"] + [p for p in args.precisions if p != "none"]
+    targets = {precision: load_target(args.target, quantize=precision) for precision in precisions}
     draft = shipped_draft(args.target)
     drafters = {p: build_drafter("dflash", t, draft, packed=True) for p, t in targets.items()}
     reference = targets["none"]
     ar = GenerationConfig(max_new_tokens=args.max_new_tokens, compile="on", stop_token_ids=reference.stop_token_ids())
     spec = replace(ar, block_size="auto", tree_budget=args.tree_budget or None)
-    policies = {p: WidthPolicies() for p in PRECISIONS}
-    hf = HFGenerateMethod("hf", reference.model, pad_token_id=reference.tokenizer.pad_token_id or 0)
+    policies = {p: WidthPolicies() for p in precisions}
+    pad = reference.tokenizer.pad_token_id or 0
+    hfs = {p: HFGenerateMethod("hf", t.model, pad_token_id=pad) for p, t in targets.items()}
     rows = prompts_of(args.datasets, args.num_prompts)
     longest = max(len(reference.encode_prompt(chat(reference, r))) for r in rows)
     for precision, target in targets.items():  # compile (or read) every graph before any timing
@@ -154,16 +169,16 @@ def decode_all(args) -> list[dict]:
         warm_up_fast_path(target.model, drafters[precision], spec, longest)
         generate_text(target, chat(target, rows[0]), drafters[precision], replace(spec, max_new_tokens=8),
                       width_policies=policies[precision])
-    hf.decode(reference.encode_prompt(chat(reference, rows[0])), replace(ar, max_new_tokens=4))
+        hfs[precision].decode(reference.encode_prompt(chat(reference, rows[0])), replace(ar, max_new_tokens=4))
 
     records = []
     for row in rows:
         prompt = chat(reference, row)
         record = {"id": row["id"], "dataset": row["dataset"]}
-        baseline = hf.decode(reference.encode_prompt(prompt), ar)
-        record["hf fp32"] = {"tok/s": len(baseline.token_ids) / baseline.seconds, "tokens": baseline.token_ids}
         for precision, target in targets.items():
-            label = "fp32" if precision == "none" else precision
+            label = label_of(precision)
+            baseline = hfs[precision].decode(reference.encode_prompt(prompt), ar)
+            record[f"hf {label}"] = {"tok/s": len(baseline.token_ids) / baseline.seconds, "tokens": baseline.token_ids}
             for method, drafter, config in (("ar", None, ar), ("dflash", drafters[precision], spec)):
                 began = time.perf_counter()
                 result = generate_text(target, prompt, drafter, config,
@@ -172,15 +187,16 @@ def decode_all(args) -> list[dict]:
                 record[f"{method} {label}"] = {"tok/s": len(result.token_ids) / seconds, "tokens": result.token_ids,
                                                "tau": result.stats.tau}
         records.append(record)
-        print(_record_line(record), flush=True)
+        print(_record_line(record, precisions), flush=True)
     return records
 
 
-def _record_line(record: dict) -> str:
+def _record_line(record: dict, precisions) -> str:
     speeds = ", ".join(f"{k} {v['tok/s']:.1f}" for k, v in record.items() if isinstance(v, dict))
-    return (f"{record['id']}: {speeds} tok/s; tau fp32 {record['dflash fp32']['tau']:.2f} fp16 "
-            f"{record['dflash fp16']['tau']:.2f}; fp16 lossless {_same(record, 'fp16')}, fp32 lossless "
-            f"{_same(record, 'fp32')}; fp16 AR == fp32 AR {record['ar fp16']['tokens'] == record['ar fp32']['tokens']}")
+    labels = [label_of(p) for p in precisions]
+    taus = " ".join(f"{label} {record[f'dflash {label}']['tau']:.2f}" for label in labels)
+    lossless = " ".join(f"{label} {_same(record, label)}" for label in labels)
+    return f"{record['id']}: {speeds} tok/s; tau {taus}; DFlash == AR: {lossless}"
 
 
 def _same(record: dict, label: str) -> bool:
@@ -191,20 +207,23 @@ def summarize(records: list[dict]) -> dict:
     def ratio(numerator, denominator):
         return statistics.median(r[numerator]["tok/s"] / r[denominator]["tok/s"] for r in records)
 
+    labels = [key.split(" ", 1)[1] for key in records[0] if key.startswith("ar ")]
+    quantized = [label for label in labels if label != "fp32"]
+    ratios = {"ar fp32 / hf fp32": ratio("ar fp32", "hf fp32"),
+              "dflash fp32 / hf fp32": ratio("dflash fp32", "hf fp32")}
+    for label in quantized:
+        ratios[f"ar {label} / ar fp32"] = ratio(f"ar {label}", "ar fp32")
+        ratios[f"hf {label} / hf fp32"] = ratio(f"hf {label}", "hf fp32")
+        ratios[f"dflash {label} / ar {label}"] = ratio(f"dflash {label}", f"ar {label}")
+        ratios[f"dflash {label} / hf {label}"] = ratio(f"dflash {label}", f"hf {label}")
+        ratios[f"dflash {label} / hf fp32"] = ratio(f"dflash {label}", "hf fp32")
     return {
         "prompts": len(records),
-        "median x": {
-            "ar fp16 / ar fp32": ratio("ar fp16", "ar fp32"),
-            "dflash fp16 / ar fp16": ratio("dflash fp16", "ar fp16"),
-            "dflash fp16 / dflash fp32": ratio("dflash fp16", "dflash fp32"),
-            "dflash fp16 / hf fp32": ratio("dflash fp16", "hf fp32"),
-            "dflash fp32 / hf fp32": ratio("dflash fp32", "hf fp32"),
-            "ar fp32 / hf fp32": ratio("ar fp32", "hf fp32"),
-        },
-        "mean tau": {label: statistics.mean(r[f"dflash {label}"]["tau"] for r in records)
-                     for label in ("fp32", "fp16")},
-        "lossless": {label: sum(_same(r, label) for r in records) for label in ("fp32", "fp16")},
-        "fp16 answer == fp32 answer": sum(r["ar fp16"]["tokens"] == r["ar fp32"]["tokens"] for r in records),
+        "median x": ratios,
+        "mean tau": {label: statistics.mean(r[f"dflash {label}"]["tau"] for r in records) for label in labels},
+        "lossless": {label: sum(_same(r, label) for r in records) for label in labels},
+        "answer == fp32 answer": {label: sum(r[f"ar {label}"]["tokens"] == r["ar fp32"]["tokens"] for r in records)
+                                  for label in quantized},
     }
 
 
@@ -220,10 +239,11 @@ def markdown(products: list[dict], summary: dict) -> str:
     if summary:
         lines += ["| ratio (median over prompts) | x |", "|---|---|"]
         lines += [f"| {name} | {value:.2f} |" for name, value in summary["median x"].items()]
-        lines += ["", f"mean tau: fp32 {summary['mean tau']['fp32']:.2f}, fp16 {summary['mean tau']['fp16']:.2f}; "
-                  f"DFlash == AR: fp32 {summary['lossless']['fp32']}/{summary['prompts']}, fp16 "
-                  f"{summary['lossless']['fp16']}/{summary['prompts']}; fp16 greedy answer == fp32's: "
-                  f"{summary['fp16 answer == fp32 answer']}/{summary['prompts']}"]
+        count = summary["prompts"]
+        lines += ["", "mean tau: " + ", ".join(f"{k} {v:.2f}" for k, v in summary["mean tau"].items())
+                  + "; DFlash == AR: " + ", ".join(f"{k} {v}/{count}" for k, v in summary["lossless"].items())
+                  + "; greedy answer == fp32's: "
+                  + ", ".join(f"{k} {v}/{count}" for k, v in summary["answer == fp32 answer"].items())]
     return "\n".join(lines) + "\n"
 
 

@@ -229,7 +229,7 @@ def load_models(args):
     hide_loading_bars()
     target = load_target(args.target, device=args.device, dtype=args.dtype, quantize=args.quantize)
     if args.quantize != "none":
-        say(f"the target's linear layers run on {args.quantize} weights (FBGEMM); output is that target's own")
+        say(f"the target's linear layers run on {args.quantize} weights; output is that target's own")
     compiled, reason = compile_choice(target.model, args.compile)
     if compiled:
         say(reason)

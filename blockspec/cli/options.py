@@ -60,10 +60,11 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_quantize_option(parser) -> None:
-    parser.add_argument("--quantize", default="none", metavar="{none,fp16}",
-                        help="fp16: the target's linear layers (LM head included) run on fp16 weights prepacked for "
-                             "FBGEMM, activations and sums in fp32: half the bytes a token on a CPU; output is that "
-                             "fp16 target's own, token for token (int8/int4 are refused: see docs/fast-path.md) "
+    parser.add_argument("--quantize", default="none", metavar="{none,fp16,int8,int4}",
+                        help="the target's linear layers (LM head included) on fewer bytes a weight, activations and "
+                             "sums in fp32 (CPU): fp16 (FBGEMM, half of fp32's bytes), int8 or int4 (llama.cpp's "
+                             "Q8_0 / Q4_1 blocks on blockspec's AVX2 kernel, built once per machine: a quarter / "
+                             "about a sixth); output is that quantized target's own, token for token "
                              "(default: none)")
 
 

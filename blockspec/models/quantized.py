@@ -1,26 +1,32 @@
-"""Fewer bytes a token on a CPU: the target's linear layers on fp16 weights, run by FBGEMM.
+"""Fewer bytes a token on a CPU: the target's linear layers on fp16, int8 or int4 weights.
 
 A decoding forward of a small model is bound by memory bandwidth: every token streams every
-weight. ``quantize_target(model, "fp16")`` replaces each linear layer of the decoder and the LM
-head with an ``Fp16Linear``: the weight rounded to fp16 and prepacked once for FBGEMM (PyTorch's
-x86 GEMM library), which converts it back to fp32 in registers; activations and sums stay fp32.
-Half the bytes of fp32; the product is a continuous function of its input, and a row's output
-does not depend on the other rows of the block (bit for bit), so speculative decoding of the fp16
-target is lossless exactly as of the fp32 one: equal to that fp16 target's own greedy decoding.
+weight. ``quantize_target(model, mode)`` replaces each linear layer of the decoder and the LM head:
 
-What was measured and is refused (``benchmarks/quantized_target.py`` times every kernel side by
-side): PyTorch's int8 and int4 weight-only products (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``, which torchao's CPU layouts call) ran 5-50x slower than oneDNN
-fp32 at the 1-16 rows of decoding on this AVX2 CPU, and inductor's fused weight-only GEMM only
-matches bf16 activations. FBGEMM's int8 product with per-token int8 activations is fast (the
-49,152-row head 3.7x faster than fp32 at one row) and row-independent, but rounding activations is
-discontinuous: the ~1e-6 differences between a 16-token verify forward and single-token forwards
-(attention and norm kernels) flip roundings, which grow to logit differences of 2-4 through 30
-layers, and the speculative output parted from the int8 target's own greedy output on 4 of 4 demo
-prompts. Lossless int8 needs batch-invariant attention and norm kernels first.
+- "fp16": an ``Fp16Linear``, the weight rounded to fp16 and prepacked once for FBGEMM (PyTorch's
+  x86 GEMM library), which converts it back to fp32 in registers. Half of fp32's bytes.
+- "int8" / "int4": a ``WeightOnlyLinear`` (``models.weight_only``), llama.cpp's Q8_0 / Q4_1 blocks
+  (8.5 / 5 bits a weight) on a kernel of this package. A quarter / about a sixth of fp32's bytes.
+  Under "int8" a layer whose weights Q4_1 holds exactly keeps them in Q4_1: the same weights in
+  fewer bytes. A checkpoint dequantized from a GGUF file has its weights on that file's grid, so its
+  int8 target is the file's own blocks: the embedded default (a Q4_1 file with a Q8_0 head) runs
+  its 210 Q4_1 layers and its Q8_0 head, the very weights of the fp32 checkpoint.
 
-The product runs inside one registered op, so eager (prefill) and compiled (verify) forwards
-compute it identically and a compiled graph names its weights by key.
+In every mode activations and sums stay fp32, the product is a continuous function of its input,
+and a row's output does not depend on the other rows of the block (bit for bit), so speculative
+decoding of the quantized target is lossless exactly as of the fp32 one: equal to that quantized
+target's own greedy decoding.
+
+Measured and left out (``benchmarks/quantized_target.py`` times the kernels side by side): PyTorch's
+int8 and int4 weight-only products (which torchao's CPU layouts call) ran 5-50x slower than fp32 at
+decoding's 1-16 rows on an AVX2 CPU; FBGEMM's int8 product with per-token int8 activations is fast
+but rounds activations, a discontinuous step that turned the kernels' ~1e-6 float noise between a
+verify forward and single-token forwards into logit differences of 2-4 and parted the speculative
+output from the int8 target's own greedy output on 4 of 4 demo prompts.
+
+The fp16 product runs inside one registered op, so eager (prefill) and compiled (verify) forwards
+compute it identically and a compiled graph names its weights by key; the int8/int4 one is a
+registered C++ op on the layer's buffers.
 """
 
 from __future__ import annotations
@@ -30,17 +36,10 @@ from torch import nn
 
 from blockspec.errors import BlockspecError
 from blockspec.models.packed import content_key
+from blockspec.models.weight_only import BITS, WeightOnlyLinear, holds_exactly, kernel_unavailable
 
 #: --quantize values: "none" keeps the model's own weights.
-QUANTIZE_CHOICES = ("none", "fp16")
-#: Asked for and refused, with the reason (measured on this project's 2-core AVX2 CPU, benchmarks/README.md).
-UNAVAILABLE = {
-    "int4": "int4 has no fast kernel on an AVX2 CPU in PyTorch (its int4 weight-only product ran 12-50x slower "
-            "than fp32 at 1-16 rows here): use fp16",
-    "int8": "int8 with per-token int8 activations is fast here but not lossless (its activation rounding turns the "
-            "kernels' float noise into different verify and single-token logits), and PyTorch's int8 weight-only "
-            "product runs 5-20x slower than fp32 on an AVX2 CPU: use fp16",
-}
+QUANTIZE_CHOICES = ("none", "fp16", "int8", "int4")
 #: Prepacked weights by content key, like the oneDNN-packed ones: a compiled graph names its weights by key.
 _PACKED: dict[str, tuple[torch.ScriptObject, torch.Tensor | None, int]] = {}
 
@@ -98,21 +97,21 @@ class Fp16Linear(nn.Module):
 def check_quantize(mode: str | None, model=None) -> str:
     """``mode`` checked ("none" for None), and that ``model`` (when given) can run it."""
     mode = mode or "none"
-    if mode in UNAVAILABLE:
-        raise BlockspecError(f"--quantize {mode}: {UNAVAILABLE[mode]}")
     if mode not in QUANTIZE_CHOICES:
         raise BlockspecError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {mode!r}")
     if mode == "none" or model is None:
         return mode
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
-        raise BlockspecError(f"--quantize {mode} runs on the CPU (FBGEMM's kernels); the target is on "
+        raise BlockspecError(f"--quantize {mode} runs on the CPU; the target is on "
                              f"{parameter.device}: use --device cpu, or a checkpoint quantized for the GPU")
     if parameter.dtype != torch.float32:
         raise BlockspecError(f"--quantize {mode} quantizes an fp32 target; this one is {parameter.dtype}: "
                              "leave --dtype at float32")
-    if not fbgemm_available():
+    if mode == "fp16" and not fbgemm_available():
         raise BlockspecError(f"--quantize {mode} needs PyTorch's FBGEMM engine, which this build lacks")
+    if mode in BITS and kernel_unavailable():
+        raise BlockspecError(f"--quantize {mode}: {kernel_unavailable()}; use fp16")
     return mode
 
 
@@ -125,12 +124,17 @@ def quantize_target(model: nn.Module, mode: str | None) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, Fp16Linear(child))
+                layer = Fp16Linear(child) if mode == "fp16" else WeightOnlyLinear(child, _bits(child, mode))
+                setattr(parent, name, layer)
                 replaced += 1
     if replaced == 0:
         raise BlockspecError(f"--quantize {mode}: the target has no linear layers to quantize")
     model.blockspec_quantization = mode
     return model
+
+
+def _bits(linear: nn.Linear, mode: str) -> int:
+    return 4 if mode == "int8" and holds_exactly(linear, 4) else BITS[mode]
 
 
 def quantization_of(model) -> str:
@@ -141,5 +145,5 @@ def quantization_of(model) -> str:
 def parameter_count(model) -> int:
     """The model's weights, counted as loaded: its parameters and the packed layers' weights."""
     packed = sum(module.in_features * module.out_features for module in model.modules()
-                 if isinstance(module, Fp16Linear))
+                 if isinstance(module, (Fp16Linear, WeightOnlyLinear)))
     return sum(p.numel() for p in model.parameters()) + packed
