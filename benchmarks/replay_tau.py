@@ -40,8 +40,8 @@ def main() -> int:
                              "auto: each drafter's own (dflash, dflash2, dspark, domino)")
     parser.add_argument("--target", default=None, help="target (default: the run's)")
     parser.add_argument("--quantize", default="none", metavar="{none,fp16,int8,int4}",
-                        help="replay on the target with its linear layers on fp16, int8 or int4 weights (the features the drafter "
-                             "reads come from it; the answers are the run's)")
+                        help="replay on the target with its linear layers on fp16, int8 or int4 weights (the "
+                             "features the drafter reads come from it; the answers are the run's)")
     parser.add_argument("--data-dir", default=None,
                         help="where the run read its prompts, for runs whose records lack prompt_ids")
     parser.add_argument("--widths", nargs="*", type=int, default=[16], help="chain verify widths (none: trees only)")

@@ -20,7 +20,7 @@ from blockspec.decoding.block import VerifyBlock
 from blockspec.decoding.forward import SequenceTarget
 from blockspec.io import write_text_atomically
 from blockspec.machine import hardware_name
-from blockspec.models.quantized import quantization_of
+from blockspec.models.quantized import quantization_tag
 
 #: Weight of the newest measurement in the running averages of T(w) and T_draft.
 EMA_WEIGHT = 0.2
@@ -214,7 +214,7 @@ def _cost_description(model, path: str) -> dict:
             "hardware": hardware_name(model.device),
             "threads": torch.get_num_threads() if model.device.type == "cpu" else None,
             "torch": torch.__version__, "transformers": transformers.__version__, "path": path,
-            "quantize": quantization_of(model)}
+            "quantize": quantization_tag(model)}
 
 
 def _cost_key(model, path: str) -> str:

@@ -36,7 +36,7 @@ from torch import nn
 
 from blockspec.errors import BlockspecError
 from blockspec.models.packed import content_key
-from blockspec.models.weight_only import BITS, WeightOnlyLinear, holds_exactly, kernel_unavailable
+from blockspec.models.weight_only import BITS, WeightOnlyLinear, holds_exactly, kernel_build, kernel_unavailable
 
 #: --quantize values: "none" keeps the model's own weights.
 QUANTIZE_CHOICES = ("none", "fp16", "int8", "int4")
@@ -135,6 +135,12 @@ def quantize_target(model: nn.Module, mode: str | None) -> nn.Module:
 
 def _bits(linear: nn.Linear, mode: str) -> int:
     return 4 if mode == "int8" and holds_exactly(linear, 4) else BITS[mode]
+
+
+def quantization_tag(model) -> str:
+    """The mode and, for int8/int4, the kernel build it runs on: what a forward's cost depends on."""
+    mode = quantization_of(model)
+    return f"{mode}/{kernel_build()}" if mode in BITS else mode
 
 
 def quantization_of(model) -> str:

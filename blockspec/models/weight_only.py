@@ -71,6 +71,17 @@ def kernel_isa() -> str:
     return "avx512" if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX") else "avx2"
 
 
+def _flags() -> list[str]:
+    return _FLAGS + (["-mavx512f", "-DBLOCKSPEC_AVX512"] if kernel_isa() == "avx512" else [])
+
+
+def kernel_build() -> str:
+    """The kernel build's name: its source, flags and torch version (a new one is built, and its costs measured
+    again, when any of them changes)."""
+    text = _SOURCE.read_bytes() + " ".join(_flags()).encode() + torch.__version__.encode()
+    return f"weight_only-{hashlib.sha256(text).hexdigest()[:16]}"
+
+
 @cache
 def load_kernel() -> None:
     """Build (once per machine, source and vector extension) and load the ``blockspec_kernels`` op library."""
@@ -79,10 +90,8 @@ def load_kernel() -> None:
         raise BlockspecError(f"weight-only int8/int4: {reason}")
     from torch.utils import cpp_extension
 
-    flags = _FLAGS + (["-mavx512f", "-DBLOCKSPEC_AVX512"] if kernel_isa() == "avx512" else [])
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
-    build = hub.home_dir() / "kernels" / f"weight_only-{digest}"
+    flags = _flags()
+    build = hub.home_dir() / "kernels" / kernel_build()
     build.mkdir(parents=True, exist_ok=True)
     try:
         with _ninja_on_path():
