@@ -43,7 +43,7 @@ def load_methods(target_name: str, methods: str | None = None, drafts: list[str]
     ``assistant``: the small LM of the draft and hf-assisted methods; ``compile``: whether blockspec's
     methods run through the fast path (a DFlash drafter then drafts through its packed LM head);
     ``draft_vocab_data``: the files a dflash/vK method counts its K tokens in; ``quantize``: the target's
-    weights ("fp16": every method, the HF baselines included, runs the same fp16 target).
+    weights ("fp16", "int8", "int4": every method, the HF baselines included, runs the same quantized target).
     """
     from transformers.utils import logging as hf_logging
 
