@@ -36,7 +36,7 @@ from torch import nn
 
 from blockspec.errors import BlockspecError
 from blockspec.models.packed import content_key
-from blockspec.models.weight_only import BITS, WeightOnlyLinear, holds_exactly, kernel_build, kernel_unavailable
+from blockspec.models.weight_only import BITS, WeightOnlyLinear, exact_blocks, kernel_build, kernel_unavailable
 
 #: --quantize values: "none" keeps the model's own weights.
 QUANTIZE_CHOICES = ("none", "fp16", "int8", "int4")
@@ -110,8 +110,8 @@ def check_quantize(mode: str | None, model=None) -> str:
                              "leave --dtype at float32")
     if mode == "fp16" and not fbgemm_available():
         raise BlockspecError(f"--quantize {mode} needs PyTorch's FBGEMM engine, which this build lacks")
-    if mode in BITS and kernel_unavailable():
-        raise BlockspecError(f"--quantize {mode}: {kernel_unavailable()}; use fp16")
+    if mode in BITS and (reason := kernel_unavailable()):
+        raise BlockspecError(f"--quantize {mode}: {reason}; use fp16")
     return mode
 
 
@@ -124,8 +124,7 @@ def quantize_target(model: nn.Module, mode: str | None) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                layer = Fp16Linear(child) if mode == "fp16" else WeightOnlyLinear(child, _bits(child, mode))
-                setattr(parent, name, layer)
+                setattr(parent, name, Fp16Linear(child) if mode == "fp16" else _weight_only(child, mode))
                 replaced += 1
     if replaced == 0:
         raise BlockspecError(f"--quantize {mode}: the target has no linear layers to quantize")
@@ -133,8 +132,10 @@ def quantize_target(model: nn.Module, mode: str | None) -> nn.Module:
     return model
 
 
-def _bits(linear: nn.Linear, mode: str) -> int:
-    return 4 if mode == "int8" and holds_exactly(linear, 4) else BITS[mode]
+def _weight_only(linear: nn.Linear, mode: str) -> WeightOnlyLinear:
+    """int8 keeps a layer Q4_1 holds exactly in those blocks: the same weights in fewer bytes."""
+    raw = exact_blocks(linear, 4) if mode == "int8" else None
+    return WeightOnlyLinear(linear, 4, raw) if raw is not None else WeightOnlyLinear(linear, BITS[mode])
 
 
 def quantization_tag(model) -> str:

@@ -84,7 +84,8 @@ def kernel_build() -> str:
 
 @cache
 def load_kernel() -> None:
-    """Build (once per machine, source and vector extension) and load the ``blockspec_kernels`` op library."""
+    """Build (once per machine, source and vector extension) and load the ``blockspec_kernels`` op library, with
+    its output shape for compiled graphs."""
     reason = kernel_unavailable()
     if reason:
         raise BlockspecError(f"weight-only int8/int4: {reason}")
@@ -101,46 +102,30 @@ def load_kernel() -> None:
         raise BlockspecError(f"weight-only int8/int4: could not build its CPU kernel ({error}); it needs g++ "
                              "and the Python headers") from error
 
-
-def _register_fake() -> None:
     @torch.library.register_fake("blockspec_kernels::weight_only_linear")
     def _shape(x, q, scale, low, bits, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
 
-_fake_registered = False
-
-
-def ensure_kernel() -> None:
-    global _fake_registered
-    load_kernel()
-    if not _fake_registered:
-        _register_fake()
-        _fake_registered = True
-
-
-def _blocks(weight: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """llama.cpp's Q8_0 / Q4_1 blocks of ``weight`` [N, K] as (q [N, K], d [N, K/32], m [N, K/32] or None)."""
-    return split_blocks(_quantize(weight, bits), bits, weight.shape[1])
-
-
 def _quantize(weight: np.ndarray, bits: int) -> np.ndarray:
+    """llama.cpp's Q8_0 / Q4_1 rows of ``weight`` [N, K], as a GGUF file stores them (uint8 [N, bytes])."""
     from gguf import GGMLQuantizationType, quants
 
     return quants.quantize(weight, GGMLQuantizationType.Q8_0 if bits == 8 else GGMLQuantizationType.Q4_1)
 
 
-def holds_exactly(linear: nn.Linear, bits: int) -> bool:
-    """Whether ``bits``' blocks give back ``linear``'s weight bit for bit: a checkpoint dequantized from a GGUF
-    file (the embedded default is its Q4_1 file) has its weights on that file's grid, and quantizing them
-    again to the same format finds the file's own blocks."""
+def exact_blocks(linear: nn.Linear, bits: int) -> np.ndarray | None:
+    """``bits``' rows of ``linear``'s weight when they give it back bit for bit (None otherwise): a checkpoint
+    dequantized from a GGUF file (the embedded default is its Q4_1 file) has its weights on that file's grid,
+    and quantizing them again to the same format finds the file's own blocks."""
     from gguf import GGMLQuantizationType, quants
 
     if linear.in_features % BLOCK:
-        return False
+        return None
     weight = linear.weight.detach().float().cpu().numpy()
+    raw = _quantize(weight, bits)
     kind = GGMLQuantizationType.Q8_0 if bits == 8 else GGMLQuantizationType.Q4_1
-    return bool(np.array_equal(quants.dequantize(quants.quantize(weight, kind), kind), weight))
+    return raw if np.array_equal(quants.dequantize(raw, kind), weight) else None
 
 
 def split_blocks(raw: np.ndarray, bits: int, in_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -185,22 +170,24 @@ class WeightOnlyLinear(nn.Module):
     ``weight`` gives the dequantized weight, for code that reads a layer's rows (a drafter copying rows of the
     target's LM head)."""
 
-    def __init__(self, linear: nn.Linear, bits: int):
+    def __init__(self, linear: nn.Linear, bits: int, raw: np.ndarray | None = None):
+        """``raw``: the layer's rows already quantized (``exact_blocks``'), else they are quantized here."""
         super().__init__()
         if linear.in_features % BLOCK:
             raise BlockspecError(f"--quantize int{bits}: a linear layer has {linear.in_features} input features, "
                                  f"not a multiple of {BLOCK}; quantize in blocks of {BLOCK} needs one")
-        ensure_kernel()
+        load_kernel()
         self.in_features, self.out_features, self.bits = linear.in_features, linear.out_features, bits
-        q, scale, low = _blocks(linear.weight.detach().float().cpu().numpy(), bits)
-        self._set_blocks(q, scale, low)
+        if raw is None:
+            raw = _quantize(linear.weight.detach().float().cpu().numpy(), bits)
+        self._set_blocks(*split_blocks(raw, bits, self.in_features))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, bits: int, in_features: int, bias: torch.Tensor | None = None
                     ) -> "WeightOnlyLinear":
         """A layer on raw GGUF Q8_0 / Q4_1 rows as a GGUF file stores them, without requantizing."""
-        ensure_kernel()
+        load_kernel()
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features, layer.bits = in_features, raw.shape[0], bits
@@ -233,6 +220,3 @@ class WeightOnlyLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"bias={self.bias is not None}")
-
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.lows))
